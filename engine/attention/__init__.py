@@ -1,0 +1,44 @@
+"""Attention backends: "torch" (reference, any device) and "flashinfer" (CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, BaseAttnMetadata
+from engine.models.config import ModelConfig
+
+BACKENDS = ("torch", "flashinfer")
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto" -> flashinfer on CUDA for half precision when it is installed, torch otherwise."""
+    if name == "auto":
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            try:
+                import flashinfer  # noqa: F401
+
+                return "flashinfer"
+            except ImportError:
+                return "torch"
+        return "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError("the flashinfer attention backend needs a CUDA device")
+    if name == "flashinfer" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"FlashInfer has no {dtype} attention kernels: use attention_backend='torch'")
+    return name
+
+
+def create_attention_backend(name: str, model_config: ModelConfig, num_qo_heads: int, num_kv_heads: int,
+                             device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    if name == "flashinfer":
+        from engine.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(num_qo_heads, num_kv_heads, model_config.head_dim, device, dtype)
+    from engine.attention.torch_backend import TorchBackend
+
+    return TorchBackend()
+
+
+__all__ = ["AttentionBackend", "BaseAttnMetadata", "create_attention_backend", "resolve_attention_backend"]

@@ -1,0 +1,39 @@
+"""The attention backend interface: metadata per batch, then one call per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from engine.core import Batch
+
+
+@dataclass
+class BaseAttnMetadata:
+    cu_seqlens_q: torch.Tensor  # [padded_bs + 1] int32 on the device: request i's tokens are [cu[i], cu[i+1])
+
+    def last_indices(self) -> torch.Tensor:
+        return self.cu_seqlens_q[1:] - 1
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def prepare_metadata(self, batch: Batch) -> None:
+        """Set batch.attn_metadata from batch.padded_reqs and the page table (host-side work, before forward)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq * D]; writes k and v at batch.out_loc first."""
+
+    # CUDA-graph hooks: static metadata buffers captured once, refilled before each replay.
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        raise NotImplementedError

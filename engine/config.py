@@ -1,0 +1,74 @@
+"""EngineConfig: frozen; "auto" choices are resolved by Engine into a new config (dataclasses.replace)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, List
+
+import torch
+
+from engine.distributed import DistributedInfo
+from engine.utils.hf import cached_load_hf_config
+
+if TYPE_CHECKING:
+    from engine.models import ModelConfig
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tp_info: DistributedInfo
+    dtype: torch.dtype
+    device: str = "auto"  # auto: cuda:<rank> with a GPU, cpu otherwise
+    max_running_req: int = 256
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), torch otherwise
+    moe_backend: str = "auto"
+    cuda_graph_bs: List[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to cuda_graph_max_bs
+    cuda_graph_max_bs: int | None = None  # None: min(max_running_req, 256); 0 disables graphs
+    page_size: int = 1
+    memory_ratio: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30  # the KV pool is capped at 2 GiB on a CPU by default
+    distributed_timeout: float = 60.0
+    distributed_port: int = 2333
+    use_dummy_weight: bool = False
+    max_seq_len_override: int | None = None
+    num_page_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not (0.0 < self.memory_ratio <= 1.0):
+            raise ValueError(f"memory_ratio must lie in (0, 1], got {self.memory_ratio}")
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 1:
+            raise ValueError(f"max_seq_len_override must be >= 1, got {self.max_seq_len_override}")
+
+    @cached_property
+    def hf_config(self) -> Any:
+        return cached_load_hf_config(self.model_path)
+
+    @cached_property
+    def model_config(self) -> "ModelConfig":
+        from engine.models import ModelConfig
+
+        return ModelConfig.from_hf(self.hf_config)
+
+    @property
+    def max_seq_len(self) -> int:
+        if self.max_seq_len_override is not None:
+            return self.max_seq_len_override
+        return self.model_config.rotary_config.max_position
+
+    @property
+    def max_forward_len(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def distributed_addr(self) -> str:
+        return f"tcp://127.0.0.1:{self.distributed_port}"

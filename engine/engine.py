@@ -1,0 +1,207 @@
+"""Engine: the compute engine of one TP rank. Built in a fixed order; one method, forward_batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch
+
+from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.config import EngineConfig
+from engine.core import Batch, Context, Req, set_global_ctx
+from engine.distributed import (destroy_process_groups, div_even, init_process_groups, set_tp_info,
+                                tp_broadcast, tp_min_over_ranks)
+from engine.graph import GraphRunner
+from engine.kvcache import create_kvcache_pool
+from engine.memory import MemoryPlan, plan_num_pages
+from engine.models import create_model, dummy_state_dict, load_weight_state_dict
+from engine.models.decoder import heads_per_rank
+from engine.sample import BatchSamplingArgs, Sampler
+from engine.utils.device import create_event, create_stream, free_memory, is_cuda, physical_cores, set_stream
+from engine.utils.hf import check_model_dir
+from engine.utils.misc import align_up, gib
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens_gpu: torch.Tensor  # [bs] int32 on the engine's device: the next step's input, never leaves it
+    next_tokens_cpu: torch.Tensor  # [bs] int32 on the host, valid after copy_done_event.synchronize()
+    copy_done_event: Any
+    logits: torch.Tensor | None = None  # float32 [bs or num_tokens, vocab] when the batch asked for them
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
+        self.config = config = _adjust_config(config)
+        self.device = torch.device(config.device)
+        if is_cuda(self.device):
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(max(1, physical_cores() // config.tp_info.size))
+        torch.manual_seed(42)
+        self.stream = create_stream(self.device)
+        set_stream(self.stream)
+        self.dtype = config.dtype
+        self.ctx = Context(config.page_size)
+        set_global_ctx(self.ctx)
+
+        self.tp_cpu_group = self._init_communication(config)
+        init_free_memory = self._sync_get_memory()
+        logger.info("free memory before loading the model: %s", gib(init_free_memory))
+
+        # the model: an empty shell on the meta device, then the weights swapped in
+        self.model = self._load_model(config)
+
+        # the KV pool gets the memory left; the extra page belongs to the dummy request
+        self.num_kv_heads = heads_per_rank(config.model_config)[1]
+        self.plan = self._determine_num_pages(init_free_memory, config)
+        self.num_pages = self.plan.num_pages
+        num_tokens = self.num_pages * config.page_size
+        self.ctx.kv_cache = self.kv_cache = create_kvcache_pool(
+            config.model_config, self.num_pages + 1, config.page_size, self.num_kv_heads, self.device, self.dtype)
+
+        # the page table: one row per request slot holding each position's KV slot; the last row is the dummy's
+        self.max_seq_len = min(config.max_seq_len, num_tokens)
+        aligned_max_seq_len = align_up(self.max_seq_len, 32)
+        self.ctx.page_table = self.page_table = torch.zeros(
+            (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device)
+
+        # the attention backend (reads the pool, so it comes after it) and the sampler
+        hq, hkv = heads_per_rank(config.model_config)
+        self.ctx.attn_backend = self.attn_backend = create_attention_backend(
+            config.attention_backend, config.model_config, hq, hkv, self.device, self.dtype)
+        self.sampler = Sampler(self.device, config.model_config.vocab_size)
+
+        # the dummy request and CUDA graphs (capturing runs the model, so it comes last)
+        self.dummy_req = Req(input_ids=torch.tensor([0], dtype=torch.int32), table_idx=config.max_running_req,
+                             cached_len=0, output_len=1, uid=-1, sampling_params=None,  # type: ignore[arg-type]
+                             cache_handle=None)
+        self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # every position -> the dummy page
+        self.graph_runner = GraphRunner(self.stream, self.device, self.model, self.attn_backend,
+                                        config.cuda_graph_bs or [], self.dummy_req,
+                                        config.model_config.vocab_size, self.dtype)
+
+    # ------------------------------------------------------------------ init steps
+    def _init_communication(self, config: EngineConfig) -> Any:
+        if config.tp_info.size == 1:
+            return None
+        return init_process_groups(config.tp_info, self.device, config.distributed_addr, config.distributed_timeout)
+
+    def _sync_get_memory(self) -> int:
+        """Free memory now, the minimum across TP ranks."""
+        return tp_min_over_ranks(free_memory(self.device))
+
+    def _load_model(self, config: EngineConfig) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = create_model(config.model_config, config.max_seq_len, self.device, self.dtype)
+        if config.use_dummy_weight:
+            state = dummy_state_dict(model, self.device, self.dtype)
+        else:
+            state = load_weight_state_dict(str(check_model_dir(config.model_path)), config.model_config,
+                                           self.device, self.dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
+    def _determine_num_pages(self, init_free_memory: int, config: EngineConfig) -> MemoryPlan:
+        mc = config.model_config
+        bytes_per_page = 2 * mc.head_dim * self.num_kv_heads * config.page_size * self.dtype.itemsize * mc.num_layers
+        plan = plan_num_pages(
+            init_free_memory=init_free_memory,
+            free_memory_now=self._sync_get_memory(),
+            bytes_per_page=bytes_per_page,
+            memory_ratio=config.memory_ratio,
+            cpu_cap=None if is_cuda(self.device) else config.cpu_kv_cache_bytes,
+            reserve=self._activation_reserve(config),
+            num_page_override=config.num_page_override,
+        )
+        plan.num_pages = tp_min_over_ranks(plan.num_pages)
+        logger.info("%s", plan.describe(config.page_size))
+        return plan
+
+    def _activation_reserve(self, config: EngineConfig) -> int:
+        """Bytes the forward passes need beyond the weights and the KV pool (measured on CUDA, 0 on a CPU)."""
+        if not is_cuda(self.device):
+            return 0
+        from engine.memory import measure_activation_peak
+
+        return measure_activation_peak(self, config)
+
+    # ------------------------------------------------------------------ the one method
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        if batch.is_prefill:
+            self._check_prefill(batch)
+        with self.ctx.forward_batch(batch):
+            if self.graph_runner.can_use_cuda_graph(batch):
+                logits = self.graph_runner.replay(batch)
+            else:
+                logits = self.model.forward()
+        for req in batch.reqs:
+            req.complete_one()
+        if batch.return_logits == "all" and batch.is_prefill:
+            rows = logits[batch.attn_metadata.last_indices()[: batch.size]]
+        else:
+            logits = rows = logits[: batch.size]
+        next_tokens_gpu = tp_broadcast(self.sampler.sample(rows, args).to(torch.int32))
+        next_tokens_cpu = next_tokens_gpu.to("cpu", non_blocking=True)
+        copy_done_event = create_event(self.device)
+        copy_done_event.record(self.stream)
+        out_logits = logits.float() if batch.return_logits != "none" else None
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, out_logits)
+
+    def _check_prefill(self, batch: Batch) -> None:
+        """Host-side checks of what a user controls; a bad id would otherwise fail deep inside a kernel."""
+        vocab = self.config.model_config.vocab_size
+        for req in batch.reqs:
+            if req.device_len > self.max_seq_len:
+                raise ValueError(f"request {req.uid}: {req.device_len} tokens exceed max_seq_len {self.max_seq_len}")
+            ids = req.input_ids[req.cached_len: req.device_len]
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
+                raise ValueError(f"request {req.uid}: token ids {bad} are outside the vocabulary [0, {vocab})")
+            if not (0 <= req.table_idx < self.config.max_running_req):
+                raise ValueError(f"request {req.uid}: table_idx {req.table_idx} outside [0, "
+                                 f"{self.config.max_running_req})")
+
+    def shutdown(self) -> None:
+        """Release everything this engine set up, so another Engine can start in the same process."""
+        self.graph_runner.destroy()
+        self.model = self.kv_cache = self.page_table = self.attn_backend = None  # type: ignore[assignment]
+        self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
+        set_global_ctx(None)
+        set_stream(None)
+        destroy_process_groups()
+        gc.collect()
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def _adjust_config(config: EngineConfig) -> EngineConfig:
+    """Resolve the "auto" choices into a new frozen config."""
+    check_model_dir(config.model_path)  # dummy weights still need the config
+    mc = config.model_config
+    div_even(mc.num_qo_heads, config.tp_info.size)  # raises a clear error when TP does not divide the heads
+    div_even(mc.num_kv_heads, config.tp_info.size, allow_replicate=True)
+    div_even(mc.intermediate_size, config.tp_info.size)
+    device = config.device
+    if device == "auto":
+        device = f"cuda:{config.tp_info.rank}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
+    graph_bs: List[int] = []
+    if device.startswith("cuda") and backend == "flashinfer":
+        max_bs = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else min(config.max_running_req, 256)
+        graph_bs = config.cuda_graph_bs or [b for b in [1, 2, 4] + list(range(8, max_bs + 1, 8)) if b <= max_bs]
+        if any(b > config.max_running_req for b in graph_bs):
+            raise ValueError(f"cuda_graph_bs {graph_bs} exceeds max_running_req {config.max_running_req}")
+    return dataclasses.replace(config, device=device, attention_backend=backend, cuda_graph_bs=graph_bs,
+                               cuda_graph_max_bs=max(graph_bs, default=0))

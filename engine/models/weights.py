@@ -1,0 +1,95 @@
+"""Weight loading: HF safetensors -> this rank's shards under the decoder's names, merged where the decoder merges.
+
+q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj are split by output rows; o_proj and down_proj by input
+columns; embeddings and LM head by vocabulary rows (padded to a multiple of the TP size). KV heads are replicated
+when there are fewer of them than ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, Iterator, Tuple
+
+import torch
+from safetensors import safe_open
+
+from engine.distributed import get_tp_info
+from engine.models.config import ModelConfig
+
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB = ("embed_tokens", "lm_head")
+
+
+def _iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}: prepare the model with `python -m harness models prepare`")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    rows = t.shape[0] // count
+    return t[index * rows: (index + 1) * rows]
+
+
+def _shard(name: str, module: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    info = get_tp_info()
+    if info.size == 1:
+        return t
+    if module in ("k_proj", "v_proj") and config.num_kv_heads < info.size:
+        # each KV head serves size / num_kv_heads consecutive ranks
+        return _shard_rows(t, info.rank * config.num_kv_heads // info.size, config.num_kv_heads)
+    if module in _MERGED or module in ("q_proj",):
+        return _shard_rows(t, info.rank, info.size)
+    if module in _ROW_PARALLEL and name.endswith("weight"):
+        cols = t.shape[1] // info.size
+        return t[:, info.rank * cols: (info.rank + 1) * cols]
+    if module in _VOCAB:
+        per_rank = -(-config.vocab_size // info.size)
+        padded = torch.nn.functional.pad(t, (0, 0, 0, per_rank * info.size - t.shape[0]))
+        return _shard_rows(padded, info.rank, info.size)
+    return t  # norms: replicated
+
+
+def load_weight_state_dict(path: str, config: ModelConfig, device: torch.device,
+                           dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    state: Dict[str, torch.Tensor] = {}
+    parts: Dict[str, Dict[int, torch.Tensor]] = {}
+    for name, tensor in _iter_safetensors(Path(path)):
+        if config.tie_word_embeddings and name.startswith("lm_head."):
+            continue  # some checkpoints store the tied copy; the decoder reads the embedding
+        if re.search(r"rotary_emb\.inv_freq$", name):
+            continue
+        module = name.split(".")[-2]
+        t = _shard(name, module, tensor, config).to(device=device, dtype=dtype)
+        if module in _MERGED:
+            merged, idx = _MERGED[module]
+            key = name.replace(module, merged)
+            parts.setdefault(key, {})[idx] = t
+            if len(parts[key]) == (3 if merged == "qkv_proj" else 2):
+                state[key] = torch.cat([parts[key][i] for i in sorted(parts[key])], dim=0)
+                del parts[key]
+        else:
+            state[name] = t
+    if parts:
+        raise ValueError(f"checkpoint at {path} is missing parts of merged weights: {sorted(parts)}")
+    return state
+
+
+def dummy_state_dict(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                     seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Random weights of the right shapes, for benchmarks on model shapes whose weights are not at hand."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, p in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(p.shape, device=device, dtype=dtype)
+        else:
+            state[name] = (torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+    return state

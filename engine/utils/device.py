@@ -1,0 +1,91 @@
+"""The device abstraction: streams, events, pinning and free memory on CUDA and on the CPU."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class NullStream:
+    """A CPU "stream": work runs synchronously on the calling thread."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class NullEvent:
+    """An "event" on a CPU: recording and waiting are no-ops (the work is done by the time record runs)."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM: Any = None
+
+
+def create_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device=device) if is_cuda(device) else NullStream()
+
+
+def set_stream(stream: Any) -> None:
+    """Make `stream` current for the engine's compute (a no-op on the CPU)."""
+    global _STREAM
+    _STREAM = stream
+    if isinstance(stream, torch.cuda.Stream):
+        torch.cuda.set_stream(stream)
+
+
+def create_event(device: torch.device) -> Any:
+    return torch.cuda.Event() if is_cuda(device) else NullEvent()
+
+
+def pin(device: torch.device) -> bool:
+    """Pinned host memory lets host-to-device copies run asynchronously; it only means something with CUDA."""
+    return is_cuda(device)
+
+
+def make_device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, copied asynchronously from pinned memory on CUDA."""
+    return torch.tensor(values, dtype=dtype, pin_memory=pin(device)).to(device, non_blocking=True)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free now: the GPU's free memory, or the host's available memory on a CPU."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def physical_cores() -> int:
+    """Physical cores (hyper-threads share a core's FPU, so counting them slows small matmuls)."""
+    cores = set()
+    for cpu in range(os.cpu_count() or 1):
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return max(len(os.sched_getaffinity(0)), 1)
+    usable = len(os.sched_getaffinity(0))
+    return max(min(len(cores), usable), 1)
