@@ -1,0 +1,107 @@
+"""Report writing shared by parity, sampling and bench: provenance, markdown tables, JSON, terminal tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+REPORTS_DIR = Path(__file__).resolve().parent.parent / "reports"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or _cpu_model() or platform.machine()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def provenance(device: str, **extra: Any) -> Dict[str, Any]:
+    """Where a figure came from: command, machine, versions, time."""
+    import torch
+    import transformers
+
+    prov = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": device,
+        "device_name": device_name(device),
+        "cpu": _cpu_model(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        import flashinfer
+
+        prov["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        pass
+    prov.update(extra)
+    return prov
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value == 0.0:
+            return "0"
+        if abs(value) >= 1e4 or abs(value) < 1e-3:
+            return f"{value:.2e}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[Dict[str, Any]], columns: List[str] | None = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def text_table(rows: Sequence[Dict[str, Any]], columns: List[str] | None = None) -> str:
+    """A fixed-width table for the terminal."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def provenance_markdown(prov: Dict[str, Any]) -> str:
+    return "\n".join(f"- {k}: `{v}`" for k, v in prov.items()) + "\n"
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
