@@ -1,5 +1,224 @@
-"""placeholder"""
+"""Parity: the engine against the golden files, along every path the engine has.
+
+Tolerance (stated in every report): tol = max(SPREAD_FACTOR x HF's own spread, FLOOR[dtype]), where HF's spread is
+the largest |logprob| difference between HF's sdpa and eager attention on the same inputs (recorded in the golden).
+Two correct implementations differ by about that much; a real bug (a rotary off by one, a wrong KV head) moves
+log-probabilities by 1e-1 or more.
+
+Near-tie rule: when the engine's argmax differs from the golden token, the divergence passes only if the golden's
+log-probability gap between the two tokens is <= 2 x tol (both log-probabilities may move by tol, so only then can a
+correct engine order them the other way). Anything else fails.
+
+KL and total variation are computed on the golden's top-K ids plus one "rest" bucket (a lower bound of the full ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from engine import Engine, EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness import golden as G
+from harness import zoo
+from harness.driver import Driver
+from harness.parity_paths import PATHS, ParityPath
+from harness.parity_report import write_report
+
+logger = logging.getLogger(__name__)
+
+SPREAD_FACTOR = 4.0
+FLOOR = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
 
-def register(sub) -> None:
-    pass
+@dataclass
+class PositionStat:
+    err: float  # max |engine - golden| logprob on the golden's top-K ids
+    kl: float
+    tv: float
+    argmax: int
+    top_ids: np.ndarray  # the engine's top-K ids
+
+
+@dataclass
+class PromptResult:
+    path: str
+    prompt: str
+    max_err_prefill: float = 0.0
+    max_err_decode: float = 0.0
+    max_kl: float = 0.0
+    max_tv: float = 0.0
+    compared_positions: int = 0
+    divergence: Dict[str, Any] | None = None  # first position where the tokens differ
+    passed: bool = True
+    reason: str = ""
+
+
+@dataclass
+class ParityResult:
+    model: str
+    device: str
+    dtype: str
+    tol: float
+    hf_spread: float
+    prompts: List[PromptResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.prompts)
+
+
+def tolerance(gs: G.GoldenSet, dtype: str) -> float:
+    return max(SPREAD_FACTOR * gs.provenance["hf_spread_max_abs_logprob"], FLOOR[dtype])
+
+
+def _golden_row(pg: G.PromptGolden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """The golden's top-K (ids, logprobs) for the distribution predicted at absolute position pos."""
+    n = len(pg.prompt_ids)
+    return (pg.prefill_ids[pos], pg.prefill_lp[pos]) if pos < n else (pg.decode_ids[pos - n + 1],
+                                                                       pg.decode_lp[pos - n + 1])
+
+
+def compare_row(engine_lp: torch.Tensor, ids: np.ndarray, ref_lp: np.ndarray) -> PositionStat:
+    """engine_lp [vocab] float32 log-probabilities against the golden's top-K row."""
+    e = engine_lp[torch.from_numpy(ids.astype(np.int64))].double().numpy()
+    r = ref_lp.astype(np.float64)
+    p, q = np.exp(r), np.exp(e)
+    p_rest, q_rest = max(1.0 - p.sum(), 0.0), max(1.0 - q.sum(), 0.0)
+    kl = float(np.sum(p * (r - e)) + (p_rest * np.log(p_rest / q_rest) if p_rest > 1e-12 and q_rest > 0 else 0.0))
+    tv = 0.5 * float(np.abs(p - q).sum() + abs(p_rest - q_rest))
+    top = engine_lp.topk(len(ids))
+    return PositionStat(float(np.abs(e - r).max()), max(kl, 0.0), tv, int(top.indices[0]), top.indices.numpy())
+
+
+def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat, tol: float) -> Dict[str, Any]:
+    n = len(pg.prompt_ids)
+    ids, lp = pg.decode_ids[j], pg.decode_lp[j]
+    g = int(pg.tokens[j])
+    in_golden = np.nonzero(ids == engine_tok)[0]
+    gap = float(lp[ids == g][0] - lp[in_golden[0]]) if len(in_golden) and (ids == g).any() else None
+    in_engine = np.nonzero(stat.top_ids == g)[0]
+    return {"step": j, "position": n - 1 + j, "golden_token": g, "engine_token": engine_tok,
+            "golden_logprob_gap": gap, "near_tie": gap is not None and abs(gap) <= 2 * tol,
+            "engine_token_rank_in_golden": int(in_golden[0]) if len(in_golden) else None,
+            "golden_token_rank_in_engine": int(in_engine[0]) if len(in_engine) else None}
+
+
+def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]],
+             outputs: List[List[int]], tol: float) -> List[PromptResult]:
+    results = []
+    for uid, pg in enumerate(gs.prompts):
+        res = PromptResult(path.name, pg.name)
+        n = len(pg.prompt_ids)
+        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax for j in range(len(pg.tokens))]
+        div_step = next((j for j, (a, b) in enumerate(zip(tokens, pg.tokens)) if a != int(b)), None)
+        # free-running: positions after a divergence see other inputs than the golden's and are not compared
+        last = n - 1 + (len(pg.tokens) - 1 if path.forced or div_step is None else div_step)
+        for pos, st in stats[uid].items():
+            if pos > last:
+                continue
+            res.compared_positions += 1
+            if pos < n - 1:
+                res.max_err_prefill = max(res.max_err_prefill, st.err)
+            else:
+                res.max_err_decode = max(res.max_err_decode, st.err)
+            res.max_kl, res.max_tv = max(res.max_kl, st.kl), max(res.max_tv, st.tv)
+        if res.compared_positions != last + 1:
+            res.passed, res.reason = False, f"only {res.compared_positions} of {last + 1} positions were produced"
+        elif max(res.max_err_prefill, res.max_err_decode) > tol:
+            res.passed, res.reason = False, f"logprob error {max(res.max_err_prefill, res.max_err_decode):.3g} > tol"
+        if div_step is not None:
+            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][n - 1 + div_step], tol)
+            if not res.divergence["near_tie"] and res.passed:
+                res.passed, res.reason = False, f"token differs at step {div_step} and it is not a near tie"
+        results.append(res)
+    return results
+
+
+def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
+    """Run the engine along one path; per prompt, the PositionStat of every position and the sampled tokens."""
+    cfg = EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype),
+                       device=device, page_size=path.page_size, max_running_req=path.max_running_req,
+                       num_page_override=8192 // path.page_size, max_seq_len_override=512,
+                       attention_backend=path.attention_backend)
+    engine = Engine(cfg)
+    try:
+        stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
+        prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
+        forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
+        offset = 0
+
+        def on_logits(uid: int, start: int, lp: torch.Tensor) -> None:
+            pg, lp = gs.prompts[uid + offset], lp.cpu()
+            for i in range(lp.shape[0]):
+                stats[uid + offset][start + i] = compare_row(lp[i], *_golden_row(pg, start + i))
+
+        driver = Driver(engine, max_prefill_tokens=path.max_prefill_tokens)
+        params = SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True)
+        groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
+        outputs: List[List[int]] = []
+        for group in groups:
+            offset = group[0]
+            res = driver.generate([prompts[i] for i in group], params,
+                                  forced=None if forced is None else [forced[i] for i in group],
+                                  prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None,
+                                  on_logits=on_logits)
+            outputs += [r.output_ids for r in res]
+        return stats, outputs
+    finally:
+        engine.shutdown()
+
+
+def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None) -> ParityResult:
+    gs = G.load_checked(model, device.split(":")[0], dtype)
+    tol = tolerance(gs, dtype)
+    result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"])
+    for path in PATHS:
+        if (paths and path.name not in paths) or not path.applies_to(device):
+            continue
+        logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
+        stats, outputs = run_path(path, model, device, dtype, gs)
+        result.prompts += evaluate(path, gs, stats, outputs, tol)
+    return result
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    models = args.model or list(G.GOLDEN_MODELS)
+    dtypes = args.dtype or ["float32"]
+    failed = False
+    for model in models:
+        for dtype in dtypes:
+            try:
+                result = run_parity(model, args.device, dtype, args.path)
+            except G.GoldenError as e:
+                print(f"REFUSED {model} {args.device} {dtype}: {e}", file=sys.stderr)
+                failed = True
+                continue
+            print(write_report(result, write_files=not args.no_report))
+            failed |= not result.passed
+    if not args.no_sampling and args.device == "cpu":
+        from harness import sampling
+
+        failed |= sampling.main_from_parity() != 0
+    return 1 if failed else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("parity", help="compare the engine with the golden files along every engine path")
+    p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(G.GOLDEN_MODELS)}")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", action="append", choices=list(FLOOR), help="default: float32")
+    p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
+    p.add_argument("--no-report", action="store_true", help="print only; leave reports/parity untouched")
+    p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
+    p.set_defaults(func=_cmd)
+
+
+__all__ = ["ParityResult", "PromptResult", "run_parity", "tolerance", "asdict"]

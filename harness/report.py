@@ -41,13 +41,19 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _command() -> str:
+    prog = Path(sys.argv[0])
+    head = ["python", "-m", prog.parent.name] if prog.name == "__main__.py" else [prog.name]
+    return " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
+
+
 def provenance(device: str, **extra: Any) -> Dict[str, Any]:
     """Where a figure came from: command, machine, versions, time."""
     import torch
     import transformers
 
     prov = {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": _command(),
         "device": device,
         "device_name": device_name(device),
         "cpu": _cpu_model(),

@@ -1,0 +1,36 @@
+"""The engine paths parity walks. Each is one way a request can travel through the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParityPath:
+    name: str
+    description: str
+    page_size: int = 1
+    max_running_req: int = 16
+    max_prefill_tokens: int = 4096
+    forced: bool = True  # teacher-forced with the golden tokens, so every decode position is compared
+    one_at_a_time: bool = False
+    prefix: bool = False  # prefill the first half of each prompt, then extend over it as a cached prefix
+    attention_backend: str = "auto"
+    device_type: str = "any"  # "cuda": only on a GPU
+
+    def applies_to(self, device: str) -> bool:
+        return self.device_type == "any" or device.startswith(self.device_type)
+
+
+PATHS = (
+    ParityPath("batch", "all prompts in one prefill batch, then batched decode; page_size 1"),
+    ParityPath("single", "each prompt alone", one_at_a_time=True),
+    ParityPath("paged", "page_size 16: prompts cross page boundaries", page_size=16),
+    ParityPath("prefix", "half of each prompt prefilled first, the rest extended over the cached prefix; page_size 16",
+               page_size=16, prefix=True),
+    ParityPath("continuous", "3 slots, 64-token prefill budget: requests join while others decode, mixed prefill "
+               "lengths; page_size 4", page_size=4, max_running_req=3, max_prefill_tokens=64),
+    ParityPath("free", "free-running greedy generation (the engine's own tokens fed back)", forced=False),
+    ParityPath("torch-backend", "the torch reference attention backend on the GPU", attention_backend="torch",
+               device_type="cuda"),
+)

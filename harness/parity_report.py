@@ -1,0 +1,69 @@
+"""Parity reports: reports/parity/<model>/<device>-<dtype>.{md,json} and a terminal summary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Dict, List
+
+from harness.parity_paths import PATHS
+from harness.report import REPORTS_DIR, markdown_table, provenance, provenance_markdown, text_table, write_json
+
+if TYPE_CHECKING:
+    from harness.parity import ParityResult
+
+COLUMNS = ["path", "prompt", "max_err_prefill", "max_err_decode", "max_kl", "max_tv", "divergence", "passed"]
+
+
+def _row(p: Any) -> Dict[str, Any]:
+    d = asdict(p)
+    div = p.divergence
+    d["divergence"] = "-" if div is None else (
+        f"step {div['step']}: golden {div['golden_token']} vs engine {div['engine_token']}, gap "
+        f"{div['golden_logprob_gap'] if div['golden_logprob_gap'] is None else round(div['golden_logprob_gap'], 6)}, "
+        f"ranks {div['engine_token_rank_in_golden']}/{div['golden_token_rank_in_engine']}"
+        f"{' (near tie)' if div['near_tie'] else ''}")
+    d["passed"] = "PASS" if p.passed else f"FAIL: {p.reason}"
+    return d
+
+
+def summary_rows(result: "ParityResult") -> List[Dict[str, Any]]:
+    """One row per path: the worst over its prompts."""
+    rows = []
+    for path in dict.fromkeys(p.path for p in result.prompts):
+        ps = [p for p in result.prompts if p.path == path]
+        rows.append({"path": path, "prompts": len(ps),
+                     "max_err_prefill": max(p.max_err_prefill for p in ps),
+                     "max_err_decode": max(p.max_err_decode for p in ps),
+                     "max_kl": max(p.max_kl for p in ps), "max_tv": max(p.max_tv for p in ps),
+                     "divergences": sum(p.divergence is not None for p in ps),
+                     "passed": f"{sum(p.passed for p in ps)}/{len(ps)}"})
+    return rows
+
+
+def write_report(result: "ParityResult", write_files: bool = True) -> str:
+    """Write the markdown and JSON reports; return the terminal summary."""
+    head = (f"parity {result.model} on {result.device} in {result.dtype}: "
+            f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
+            f"floor))")
+    summary = text_table(summary_rows(result))
+    failing = [_row(p) for p in result.prompts if not p.passed]
+    text = f"{head}\n{summary}"
+    if failing:
+        text += "\nfailing prompts:\n" + text_table(failing, ["path", "prompt", "passed", "divergence"])
+    if not write_files:
+        return text
+    from harness.parity import __doc__ as rule
+
+    prov = provenance(result.device, model=result.model, dtype=result.dtype)
+    out = REPORTS_DIR / "parity" / result.model / f"{result.device.split(':')[0]}-{result.dtype}"
+    paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
+    md = (f"# Parity: {result.model}, {result.device}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
+          f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
+          f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
+          f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], COLUMNS)}\n"
+          f"## Provenance\n{provenance_markdown(prov)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    write_json(out.with_suffix(".json"), {"provenance": prov, "tol": result.tol, "hf_spread": result.hf_spread,
+                                          "passed": result.passed, "prompts": [asdict(p) for p in result.prompts]})
+    return f"{text}\nreport: {out.with_suffix('.md')}"
