@@ -148,7 +148,8 @@ _GLOBAL_CTX: Context | None = None
 
 def set_global_ctx(ctx: Context | None) -> None:
     global _GLOBAL_CTX
-    assert ctx is None or _GLOBAL_CTX is None, "an Engine is already live in this process: call shutdown() first"
+    if ctx is not None and _GLOBAL_CTX is not None:
+        raise RuntimeError("an Engine is already live in this process: call its shutdown() first")
     _GLOBAL_CTX = ctx
 
 

@@ -38,6 +38,13 @@ class ForwardOutput:
 
 class Engine:
     def __init__(self, config: EngineConfig):
+        try:
+            self._init(config)
+        except BaseException:
+            self.shutdown()  # a failed start leaves nothing behind: the next Engine can start
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
         set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
         self.config = config = _adjust_config(config)
         self.device = torch.device(config.device)
@@ -171,16 +178,19 @@ class Engine:
                                  f"{self.config.max_running_req})")
 
     def shutdown(self) -> None:
-        """Release everything this engine set up, so another Engine can start in the same process."""
-        self.graph_runner.destroy()
-        self.model = self.kv_cache = self.page_table = self.attn_backend = None  # type: ignore[assignment]
-        self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
+        """Release everything this engine set up (also after a failed start), so another Engine can start."""
+        if getattr(self, "graph_runner", None) is not None:
+            self.graph_runner.destroy()
+        self.model = self.kv_cache = self.page_table = self.attn_backend = self.graph_runner = None  # type: ignore
+        if getattr(self, "ctx", None) is not None:
+            self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
         set_global_ctx(None)
         set_stream(None)
         destroy_process_groups()
         gc.collect()
-        if is_cuda(self.device):
-            torch.cuda.synchronize(self.device)
+        device = getattr(self, "device", None)
+        if device is not None and is_cuda(device):
+            torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
 
 

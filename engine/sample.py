@@ -2,7 +2,9 @@
 
 Semantics, per request: temperature; top-k (-1 = none) first, then top-p on the renormalized rest; min_p on the
 full tempered distribution, intersected with both; the most likely token always survives. An all-greedy batch is an
-argmax with no softmax; greedy rows in a mixed batch get temperature 1e-6, which collapses to the argmax.
+argmax with no softmax; greedy rows in a mixed batch get temperature 1e-6 and their draw is then replaced by the
+argmax: 1e-6 alone does not collapse exact ties (common in bf16 logits) or logits closer than ~1e-5, so such a row
+would otherwise depend on which batch it ran in.
 A row whose logits contain NaN or have no finite maximum gets token -1 and the other rows are drawn as usual.
 """
 
@@ -25,6 +27,7 @@ class BatchSamplingArgs:
     top_k: torch.Tensor | None = None  # [bs] int32; None = no row limits it
     top_p: torch.Tensor | None = None  # [bs] float32
     min_p: torch.Tensor | None = None  # [bs] float32
+    greedy: torch.Tensor | None = None  # [bs] bool: rows answered by the argmax; None = no greedy row
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Sampler:
             top_k=tensor_if([min(k, self.vocab_size) for k in top_ks], self.vocab_size, torch.int32),
             top_p=tensor_if(top_ps, 1.0, torch.float32),
             min_p=tensor_if(min_ps, 0.0, torch.float32),
+            greedy=tensor_if([p.is_greedy for p in params], False, torch.bool),
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
@@ -69,6 +73,8 @@ class Sampler:
                 except ImportError:
                     pass
             tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, self.generator)
+            if args.greedy is not None:
+                tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
         return torch.where(valid, tokens, INVALID_TOKEN)
 
 

@@ -120,12 +120,13 @@ class Driver:
         if prompt_len == 0:
             raise ValueError(f"request {uid}: the prompt is empty (at least one token is needed)")
         need = prompt_len + max_tokens
+        limit = (f"max_seq_len {self.engine.max_seq_len} (the smaller of the model's or override's "
+                 f"{self.engine.config.max_seq_len} and the KV pool's {self.pages.num_pages * self.page_size} tokens)")
         if prompt_len > self.engine.max_seq_len:
-            raise ValueError(f"request {uid}: prompt of {prompt_len} tokens exceeds max_seq_len "
-                             f"{self.engine.max_seq_len}")
+            raise ValueError(f"request {uid}: prompt of {prompt_len} tokens exceeds {limit}")
         if need > self.engine.max_seq_len:
-            raise ValueError(f"request {uid}: prompt {prompt_len} + max_tokens {max_tokens} exceeds max_seq_len "
-                             f"{self.engine.max_seq_len}; lower max_tokens or raise max_seq_len_override")
+            raise ValueError(f"request {uid}: prompt {prompt_len} + max_tokens {max_tokens} exceeds {limit}; "
+                             "lower max_tokens or raise max_seq_len_override / the KV pool")
         if -(-need // self.page_size) > self.pages.num_pages:
             raise ValueError(f"request {uid}: needs {need} KV slots but the pool holds only "
                              f"{self.pages.num_pages * self.page_size}; raise num_page_override or memory_ratio")

@@ -55,8 +55,8 @@ class GoldenSet:
     provenance: Dict[str, Any]
 
 
-def golden_dir(model: str, device_type: str, dtype: str) -> Path:
-    return GOLDEN_DIR / model / f"{device_type}-{dtype}"
+def golden_dir(model: str, device_type: str, dtype: str, root: Path = GOLDEN_DIR) -> Path:
+    return root / model / f"{device_type}-{dtype}"
 
 
 def regenerate_command(model: str, device_type: str, dtype: str) -> str:
@@ -143,15 +143,16 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
 
 
 # ------------------------------------------------------------------------------------------------ file I/O
-def save(gs: GoldenSet, folder: Path) -> None:
+def save(gs: GoldenSet, folder: Path, stem: str = "golden") -> None:
+    """stem "golden.obtained" writes an engine's result beside the golden, in the same format."""
     folder.mkdir(parents=True, exist_ok=True)
     arrays: Dict[str, np.ndarray] = {}
     for i, p in enumerate(gs.prompts):
         for field in ("prompt_ids", "tokens", "prefill_ids", "prefill_lp", "decode_ids", "decode_lp"):
             arrays[f"{i}/{field}"] = getattr(p, field)
-    np.savez_compressed(folder / "golden.npz", **arrays)
+    np.savez_compressed(folder / f"{stem}.npz", **arrays)
     prov = dict(gs.provenance, prompt_names=[p.name for p in gs.prompts])
-    (folder / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+    (folder / f"{stem.replace('golden', 'provenance')}.json").write_text(json.dumps(prov, indent=2) + "\n")
 
 
 def load(folder: Path) -> GoldenSet:
@@ -186,8 +187,8 @@ def check_identity(gs: GoldenSet, expected: Dict[str, str], folder: Path) -> Non
                           f"\nIf the change is intended, regenerate it: {cmd}")
 
 
-def load_checked(model: str, device_type: str, dtype: str) -> GoldenSet:
-    folder = golden_dir(model, device_type, dtype)
+def load_checked(model: str, device_type: str, dtype: str, root: Path = GOLDEN_DIR) -> GoldenSet:
+    folder = golden_dir(model, device_type, dtype, root)
     if not folder.exists():
         raise GoldenError(f"no golden for {model} on {device_type} in {dtype} ({folder} is missing); make it with: "
                           f"{regenerate_command(model, device_type, dtype)}")

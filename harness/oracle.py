@@ -41,7 +41,9 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = -
         return Filtered(None)
     vocab = logits.shape[0]
     if temperature == 0.0 or top_k == 1:
-        return Filtered(np.eye(vocab)[int(np.argmax(logits))])  # np.argmax returns the first maximum
+        one_hot = np.zeros(vocab)
+        one_hot[int(np.argmax(logits))] = 1.0  # np.argmax returns the first maximum: the lowest id
+        return Filtered(one_hot)
     p = softmax64(logits, temperature)
     order = np.argsort(-p, kind="stable")  # stable: equal probabilities keep id order, lower id first
     ranked = p[order]
@@ -58,8 +60,3 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = -
         margins.append(np.abs(p / p.max() - min_p).min())
     kept = np.where(keep, p, 0.0)
     return Filtered(kept / kept.sum(), float(min(margins, default=np.inf)))
-
-
-def argmax_token(logits: np.ndarray) -> int:
-    """The greedy answer: the lowest id among the maxima."""
-    return int(np.argmax(np.asarray(logits, dtype=np.float64)))

@@ -18,6 +18,7 @@ import argparse
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List
 
 import numpy as np
@@ -45,6 +46,7 @@ class PositionStat:
     tv: float
     argmax: int
     top_ids: np.ndarray  # the engine's top-K ids
+    top_lp: np.ndarray  # and their log-probabilities
 
 
 @dataclass
@@ -69,6 +71,7 @@ class ParityResult:
     tol: float
     hf_spread: float
     prompts: List[PromptResult] = field(default_factory=list)
+    obtained: str = ""  # where the engine's result was written when parity failed
 
     @property
     def passed(self) -> bool:
@@ -95,7 +98,8 @@ def compare_row(engine_lp: torch.Tensor, ids: np.ndarray, ref_lp: np.ndarray) ->
     kl = float(np.sum(p * (r - e)) + (p_rest * np.log(p_rest / q_rest) if p_rest > 1e-12 and q_rest > 0 else 0.0))
     tv = 0.5 * float(np.abs(p - q).sum() + abs(p_rest - q_rest))
     top = engine_lp.topk(len(ids))
-    return PositionStat(float(np.abs(e - r).max()), max(kl, 0.0), tv, int(top.indices[0]), top.indices.numpy())
+    return PositionStat(float(np.abs(e - r).max()), max(kl, 0.0), tv, int(top.indices[0]), top.indices.numpy(),
+                        top.values.numpy())
 
 
 def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat, tol: float) -> Dict[str, Any]:
@@ -176,16 +180,39 @@ def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.Golden
         engine.shutdown()
 
 
-def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None) -> ParityResult:
-    gs = G.load_checked(model, device.split(":")[0], dtype)
+def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], outputs: List[List[int]],
+                 path: ParityPath) -> G.GoldenSet:
+    """The engine's result in the golden's own format, to diff against it."""
+    prompts = []
+    for uid, pg in enumerate(gs.prompts):
+        n, t = len(pg.prompt_ids), len(pg.tokens)
+        rows = [stats[uid].get(pos) for pos in range(n + t - 1)]
+        k = pg.prefill_ids.shape[1]
+        ids = np.stack([r.top_ids if r else np.full(k, -1) for r in rows]).astype(np.int32)
+        lp = np.stack([r.top_lp if r else np.full(k, np.nan) for r in rows]).astype(np.float32)
+        tokens = outputs[uid] if not path.forced else [r.argmax if r else -1 for r in rows[n - 1:]]
+        prompts.append(G.PromptGolden(pg.name, pg.prompt_ids, np.array(tokens, dtype=np.int32), ids[:n], lp[:n],
+                                      ids[n - 1:], lp[n - 1:]))
+    return G.GoldenSet(prompts, dict(gs.provenance, obtained_from=f"engine, parity path {path.name}"))
+
+
+def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
+               golden_root: Path = G.GOLDEN_DIR) -> ParityResult:
+    """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
+    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     tol = tolerance(gs, dtype)
     result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"])
+    folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     for path in PATHS:
         if (paths and path.name not in paths) or not path.applies_to(device):
             continue
         logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
         stats, outputs = run_path(path, model, device, dtype, gs)
+        was_passing = result.passed
         result.prompts += evaluate(path, gs, stats, outputs, tol)
+        if was_passing and not result.passed:
+            G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
+            result.obtained = str(folder / "golden.obtained.npz")
     return result
 
 

@@ -50,6 +50,7 @@ def write_report(result: "ParityResult", write_files: bool = True) -> str:
     text = f"{head}\n{summary}"
     if failing:
         text += "\nfailing prompts:\n" + text_table(failing, ["path", "prompt", "passed", "divergence"])
+        text += f"\nthe engine's result, in the golden's format: {result.obtained}"
     if not write_files:
         return text
     from harness.parity import __doc__ as rule

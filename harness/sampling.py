@@ -1,5 +1,215 @@
-"""placeholder"""
+"""python -m harness sampling: the sampler's draws against the float64 oracle, with stated power.
+
+Each case is one batch of rows with their own parameters; the batch is repeated many times in one `sample` call
+and drawn N times per row. Every row gets exact checks (greedy rows are the argmax, invalid rows -1, no draw
+outside the oracle's support) and, when its support has two or more tokens, a chi-square goodness of fit at the
+Bonferroni-corrected level. N comes from a power analysis (harness.sampling_stats), capped for costly cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from engine.core import Batch, Req, SamplingParams
+from engine.sample import BatchSamplingArgs, Sampler
+from harness import oracle, report
+from harness.sampling_cases import Case, all_cases, describe
+from harness.sampling_stats import chi_square, detectable_tv, power_at, required_draws
+
+# (logits [rows, vocab] on the device, args, generator) -> tokens [rows]
+SampleFn = Callable[[torch.Tensor, BatchSamplingArgs, torch.Generator], torch.Tensor]
+
+MIN_MARGIN = 1e-5  # a float32 sampler may decide a threshold comparison closer than ~1e-6 differently
+CHUNK_ELEMENTS = 1 << 24  # logits elements per sample call: 64 MiB of float32 (the sort holds a few copies)
+DEFAULT_MAX_COST = 2.5e8  # draws x vocab per case: ~5000 draws per row at 49152 tokens, ~2 minutes on 2 cores
+GREEDY_ONLY_DRAWS = 2000  # cases without a random row only need enough draws to show they never stray
 
 
-def register(sub) -> None:
-    pass
+@dataclass
+class RowResult:
+    case: str
+    row: int
+    params: str
+    kind: str  # sampled, greedy, single (support of one token), invalid
+    n: int
+    alpha: float
+    n_required: int | None = None  # draws the power analysis asks for; more than n where the cost cap binds
+    # the chi-square columns stay None for rows with one right answer (greedy, single-token support, invalid)
+    categories: int | None = None
+    pooled_mass: float | None = None  # oracle mass merged into the tail bin: shifts inside it are invisible
+    statistic: float | None = None
+    p_value: float | None = None
+    detectable_tv: float | None = None  # total variation detected with the target power (worst direction)
+    power_at_tv: float | None = None  # power at the target total variation (worst direction)
+    outside: int = 0  # draws the exact check rejects
+    passed: bool = True
+    note: str = ""
+
+
+@dataclass
+class GridResult:
+    rows: List[RowResult]
+    settings: Dict[str, float]
+    seconds: Dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def failed_cases(self) -> List[str]:
+        return sorted({r.case for r in self.rows if not r.passed})
+
+
+def make_batch(params: Sequence[SamplingParams]) -> Batch:
+    """A decode batch of one-token requests: all Sampler.prepare reads is their sampling parameters."""
+    reqs = [Req(input_ids=torch.zeros(1, dtype=torch.int32), table_idx=i, cached_len=0, output_len=1, uid=i,
+                sampling_params=p, cache_handle=None) for i, p in enumerate(params)]
+    return Batch(reqs, "decode")
+
+
+def _tile(args: BatchSamplingArgs, reps: int) -> BatchSamplingArgs:
+    """The args of the batch repeated reps times (row order: the whole batch, then the whole batch again...)."""
+    return BatchSamplingArgs(**{f.name: None if (v := getattr(args, f.name)) is None else v.repeat(reps)
+                                for f in fields(args)})
+
+
+def draw(case: Case, n: int, device: torch.device, generator: torch.Generator,
+         sample_fn: SampleFn | None = None) -> np.ndarray:
+    """n draws per row -> int64 [n, rows], drawn in large repeated batches."""
+    rows, vocab = case.logits.shape
+    sampler = Sampler(device, vocab, generator)
+    sample_fn = sample_fn or (lambda logits, args, gen: sampler.sample(logits, args))
+    reps = max(1, min(n, CHUNK_ELEMENTS // (rows * vocab)))
+    args = _tile(sampler.prepare(make_batch(case.params)), reps)
+    logits = torch.from_numpy(case.logits).to(device).repeat(reps, 1)
+    chunks = [sample_fn(logits, args, generator).view(reps, rows).cpu() for _ in range(-(-n // reps))]
+    return torch.cat(chunks)[:n].numpy().astype(np.int64)
+
+
+def _oracles(case: Case) -> List[oracle.Filtered]:
+    out = [oracle.filtered_distribution(row, p.temperature, p.top_k, p.top_p, p.min_p)
+           for row, p in zip(case.logits, case.params)]
+    for i, f in enumerate(out):
+        if f.margin < MIN_MARGIN and not case.exact_boundary:
+            raise ValueError(f"case {case.name} row {i}: a threshold lies {f.margin:.1e} from the mass it is "
+                             "compared with, too close for a float32 sampler to decide reliably; move it")
+    return out
+
+
+def _is_random(f: oracle.Filtered) -> bool:
+    return f.probs is not None and int((f.probs > 0).sum()) >= 2
+
+
+def _required(f: oracle.Filtered, alpha: float, tv: float, power: float) -> int | None:
+    return required_draws(f.probs[f.probs > 0], alpha, tv, power) if _is_random(f) else None
+
+
+def _check_row(case: Case, i: int, f: oracle.Filtered, draws: np.ndarray, alpha: float, tv: float,
+               power: float) -> RowResult:
+    params = case.params[i]
+    res = RowResult(case.name, i, describe(params), "sampled", len(draws), alpha, _required(f, alpha, tv, power))
+    if f.probs is None:
+        res.kind, res.outside = "invalid", int((draws != -1).sum())
+    elif not _is_random(f):  # greedy, or a support of one token
+        res.kind = "greedy" if params.is_greedy else "single"
+        res.outside = int((draws != int(np.argmax(f.probs))).sum())
+    else:
+        support = np.flatnonzero(f.probs > 0)
+        counts = np.bincount(np.clip(draws, -1, case.vocab) + 1, minlength=case.vocab + 2)[1:-1]
+        res.outside = len(draws) - int(counts[support].sum())
+        fit = chi_square(counts[support], f.probs[support])
+        df = max(fit.categories - 1, 1)
+        res.categories, res.statistic, res.p_value = fit.categories, fit.statistic, fit.p_value
+        res.pooled_mass = fit.pooled_mass
+        res.detectable_tv = detectable_tv(len(draws), df, alpha, power)
+        res.power_at_tv = power_at(len(draws), df, alpha, tv)
+    res.passed = res.outside == 0 and (res.p_value is None or res.p_value >= alpha)
+    if res.outside:
+        res.note = f"{res.outside} draws outside the oracle's answer"
+    elif not res.passed:
+        res.note = "chi-square rejects"
+    return res
+
+
+def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequence[Case] | None = None,
+             family_alpha: float = 0.01, tv: float = 0.01, power: float = 0.99,
+             max_cost: float = DEFAULT_MAX_COST, seed: int = 0) -> GridResult:
+    """Run every case; sample_fn replaces Sampler.sample (to test another implementation, or a planted fault)."""
+    cases = list(cases) if cases is not None else all_cases()
+    dev = torch.device(device)
+    oracles = {c.name: _oracles(c) for c in cases}
+    n_tests = max(1, sum(_is_random(f) for fs in oracles.values() for f in fs))
+    alpha = family_alpha / n_tests
+    rows: List[RowResult] = []
+    seconds: Dict[str, float] = {}
+    for case in cases:
+        fs = oracles[case.name]
+        needed = [n for f in fs if (n := _required(f, alpha, tv, power)) is not None]
+        n = min(max(needed, default=GREEDY_ONLY_DRAWS), max(1, int(max_cost // case.vocab)))
+        gen = torch.Generator(dev).manual_seed(seed * 1_000_003 + zlib.crc32(case.name.encode()))
+        start = time.perf_counter()
+        try:
+            draws = draw(case, n, dev, gen, sample_fn)
+        except Exception as e:  # a crashing sampler fails the case; the report says how
+            rows += [RowResult(case.name, i, describe(p), "error", 0, alpha, passed=False,
+                               note=f"{type(e).__name__}: {e}") for i, p in enumerate(case.params)]
+            continue
+        seconds[case.name] = time.perf_counter() - start
+        rows += [_check_row(case, i, f, draws[:, i], alpha, tv, power) for i, f in enumerate(fs)]
+    settings = {"family_alpha": family_alpha, "tests": n_tests, "per_test_alpha": alpha, "tv": tv, "power": power,
+                "max_cost": max_cost, "seed": seed}
+    return GridResult(rows, settings, seconds)
+
+
+# ---------------------------------------------------------------------------------------------- report and CLI
+TABLE = ["case", "row", "params", "kind", "n", "n_required", "categories", "pooled_mass", "statistic", "p_value", "alpha",
+         "detectable_tv", "power_at_tv", "result"]
+
+
+def _table_rows(result: GridResult) -> List[Dict[str, object]]:
+    return [{**{k: "-" if v is None else v for k, v in asdict(r).items()},
+             "result": ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")} for r in result.rows]
+
+
+def write_report(result: GridResult, device: str, out: Path, wall: float) -> None:
+    from harness.sampling_report import markdown
+
+    prov = report.provenance(device)
+    report.write_json(out / "sampling.json", {"provenance": prov, "settings": result.settings,
+                                              "passed": result.passed, "seconds": result.seconds, "wall_s": wall,
+                                              "rows": [asdict(r) for r in result.rows]})
+    (out / "sampling.md").write_text(markdown(result, _table_rows(result), TABLE, prov, wall))
+
+
+def _run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    result = run_grid(args.device, cases=all_cases(real=not args.no_real), max_cost=args.max_cost, seed=args.seed)
+    wall = time.perf_counter() - start
+    out = Path(args.out) if args.out else report.REPORTS_DIR / "sampling" / args.device.split(":")[0]
+    write_report(result, args.device, out, wall)
+    print(report.text_table(_table_rows(result), ["case", "row", "params", "n", "categories", "p_value",
+                                                  "detectable_tv", "power_at_tv", "result"]))
+    s = result.settings
+    print(f"\n{s['tests']} chi-square tests at alpha {s['per_test_alpha']:.2e} each (family {s['family_alpha']}); "
+          f"{wall:.0f} s; report in {out}")
+    print("PASS" if result.passed else f"FAIL: {', '.join(result.failed_cases())}")
+    return 0 if result.passed else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sampling", help="the sampler's draws against a float64 oracle (chi-square, stated power)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--out", default=None, help="report folder (default reports/sampling/<device>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--max-cost", type=float, default=DEFAULT_MAX_COST,
+                   help="cap on draws x vocab per case; binds only the 49152-token cases (default %(default).1e)")
+    p.add_argument("--no-real", action="store_true", help="skip the cases on real SmolLM2 logits")
+    p.set_defaults(func=_run)

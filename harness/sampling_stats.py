@@ -80,6 +80,7 @@ class FitResult:
     categories: int
     statistic: float
     p_value: float
+    pooled_mass: float  # probability of the entries that do not stand alone
 
 
 def chi_square(counts: np.ndarray, probs: np.ndarray) -> FitResult:
@@ -89,7 +90,8 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> FitResult:
     k = int(bins.max()) + 1
     observed = np.bincount(bins, weights=counts, minlength=k)
     expected = np.bincount(bins, weights=probs, minlength=k)
+    pooled_mass = float(probs[probs * n < MIN_EXPECTED].sum())
     if k < 2:
-        return FitResult(k, 0.0, 1.0)
+        return FitResult(k, 0.0, 1.0, pooled_mass)
     res = stats.chisquare(observed, n * expected / expected.sum())
-    return FitResult(k, float(res.statistic), float(res.pvalue))
+    return FitResult(k, float(res.statistic), float(res.pvalue), pooled_mass)

@@ -2,14 +2,67 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterator, List
+
 import pytest
 import torch
 
+from engine import Engine, EngineConfig
+from engine.distributed import DistributedInfo
+from harness import zoo
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+MODELS = ["smollm2-135m", "tiny-qwen3"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Les mathématiques sont",
+           "Once upon a time in a land far away, there lived a"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", params=MODELS)
+def model_name(request: pytest.FixtureRequest) -> str:
+    zoo.prepare(request.param)
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def hf_cache() -> dict:
+    return {}
+
+
+@pytest.fixture
+def hf(model_name: str, hf_cache: dict):
+    """The HF model and tokenizer, fp32 on the CPU, loaded once per model."""
+    if model_name not in hf_cache:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = zoo.path(model_name)
+        hf_cache[model_name] = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                                AutoTokenizer.from_pretrained(path))
+    return hf_cache[model_name]
+
+
+@pytest.fixture
+def make_engine(model_name: str) -> Iterator[Callable[..., Engine]]:
+    """Build engines on the current model; each is shut down after the test."""
+    engines: List[Engine] = []
+
+    def make(**kw) -> Engine:
+        kw.setdefault("num_page_override", 2048)
+        kw.setdefault("max_seq_len_override", 512)
+        kw.setdefault("max_running_req", 8)
+        eng = Engine(EngineConfig(model_path=str(zoo.path(model_name)), tp_info=DistributedInfo(0, 1),
+                                  dtype=torch.float32, device="cpu", **kw))
+        engines.append(eng)
+        return eng
+
+    yield make
+    for e in engines:
+        if e.model is not None:
+            e.shutdown()

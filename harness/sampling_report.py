@@ -1,0 +1,65 @@
+"""The markdown report of `python -m harness sampling`: what was tested, how much power it had, what it found."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence
+
+from harness import report
+
+if TYPE_CHECKING:
+    from harness.sampling import GridResult
+
+METHOD = """\
+## Method
+
+- **Oracle** (`harness/oracle.py`): the filtered distribution in float64 with numpy, written from the
+  specification and never calling `engine.sample`: temperature; top-k (ties ranked by a stable sort, lower id
+  first), renormalized; top-p keeping a token while the mass ranked strictly ahead of it is < p; min_p against the
+  full tempered distribution; the intersection, renormalized. Greedy rows: the argmax (lowest id among maxima).
+- **Exact checks** on every draw: greedy rows equal the argmax, NaN / all -inf rows give -1, and no draw falls
+  outside the oracle's support. These have no false-alarm rate.
+- **Chi-square** (`scipy.stats.chisquare`) per row whose support has two or more tokens, after pooling every
+  token expecting < 5 draws into one tail bin (a tail still under 5 joins the smallest category). The family of
+  all these tests is held at the family alpha by Bonferroni: per-test alpha = family alpha / number of tests.
+- **Power.** For any alternative q at total variation d from the oracle p (on the pooled categories),
+  Cauchy-Schwarz gives sum (q-p)^2/p >= (sum |q-p|)^2 / sum p = 4 d^2, with equality when the shift moves d of
+  mass from categories holding half the probability to the other half, in proportion to p. That is the least
+  favourable shift; the statistic is then noncentral chi-square with df = categories - 1 and noncentrality
+  >= 4 N d^2, so power = P(ncx2(df, 4 N d^2) > chi2.isf(alpha, df)) is a guarantee against every shift of size d.
+  N per case is the smallest count (iterated to the pooling's fixed point, since more draws split more
+  categories out of the tail) giving that power at the target d for every row, unless draws x vocab exceeds the
+  cost cap (the 49152-token cases): those run at the cap and report the power they have.
+- `pooled_mass` is the oracle mass inside the tail bin; a change that only moves mass within it is not seen by
+  the chi-square test (the support check still applies to every token).
+"""
+
+
+def _settings(result: "GridResult", wall: float) -> str:
+    s = result.settings
+    capped = sorted({r.case for r in result.rows if r.n_required is not None and r.n < r.n_required})
+    lines = [
+        f"- family alpha {s['family_alpha']}, {s['tests']} chi-square tests, per-test alpha "
+        f"{s['per_test_alpha']:.3e}",
+        f"- target: total variation {s['tv']} detected with power >= {s['power']} in the worst direction",
+        f"- cost cap: draws x vocab <= {s['max_cost']:.2e} per case; seed {s['seed']}",
+        f"- wall time {wall:.1f} s; sampling time per case: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items()),
+    ]
+    if capped:
+        lines.append(f"- below the target power (capped by cost): {', '.join(capped)}; their `detectable_tv` "
+                     "column is the distance they do detect with the target power")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(result: "GridResult", table_rows: Sequence[Dict[str, Any]], columns: List[str],
+             prov: Dict[str, Any], wall: float) -> str:
+    verdict = "PASS" if result.passed else f"FAIL ({', '.join(result.failed_cases())})"
+    return "\n".join([
+        f"# Sampler distribution tests: {verdict}\n",
+        _settings(result, wall),
+        METHOD,
+        "## Results\n",
+        report.markdown_table(table_rows, columns),
+        "## Provenance\n",
+        report.provenance_markdown(prov),
+    ])

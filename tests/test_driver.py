@@ -1,0 +1,80 @@
+"""The driver: slots, pages, EOS, continuous batching, and the pool whole afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness import zoo
+from harness.driver import Driver, PageAllocator, eos_token_ids
+
+PROMPTS = [[1, 2, 3], [5] * 17, [7, 8], list(range(100, 140)), [42]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
+                              dtype=torch.float32, device="cpu", page_size=4, max_running_req=2,
+                              num_page_override=64, max_seq_len_override=128))
+    yield eng
+    eng.shutdown()
+
+
+def test_continuous_batching_equals_one_batch(engine):
+    """2 slots, a 20-token prefill budget: requests queue, join mid-decode and leave; results match a big batch."""
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    queued = Driver(engine, max_prefill_tokens=20).generate(PROMPTS, params)
+    alone = [Driver(engine).generate([p], params)[0] for p in PROMPTS]
+    assert [r.output_ids for r in queued] == [r.output_ids for r in alone]
+    assert all(len(r.output_ids) == 9 and r.finish_reason == "length" for r in queued)
+
+
+def test_finishes_at_any_of_several_eos_ids(engine):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    free = Driver(engine).generate(PROMPTS, params)
+    # make the 4th generated token of each request an EOS id, and another request's 2nd token a second EOS id
+    eos = [free[0].output_ids[3], free[1].output_ids[1]]
+    out = Driver(engine).generate(PROMPTS, SamplingParams(max_tokens=12), eos_ids=eos)
+    for r, f in zip(out, free):
+        stop = next((i for i, t in enumerate(f.output_ids) if t in eos), None)
+        if stop is None:
+            assert r.finish_reason == "length" and r.output_ids == f.output_ids
+        else:
+            assert r.finish_reason == "eos" and r.output_ids == f.output_ids[: stop + 1]
+    assert out[0].finish_reason == out[1].finish_reason == "eos"
+
+
+def test_ignore_eos_runs_to_max_tokens(engine):
+    free = Driver(engine).generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    out = Driver(engine).generate(PROMPTS[:1], SamplingParams(max_tokens=6, ignore_eos=True),
+                                  eos_ids=[free.output_ids[0]])[0]
+    assert out.output_ids == free.output_ids and out.finish_reason == "length"
+
+
+def test_pages_are_returned(engine):
+    driver = Driver(engine)
+    driver.generate(PROMPTS, SamplingParams(max_tokens=5))
+    assert sorted(driver.pages.free_pages) == list(range(engine.num_pages))
+    assert len(driver.free_rows) == engine.config.max_running_req and not driver.row_slots
+
+
+def test_leak_check_catches_a_leak():
+    pages = PageAllocator(8)
+    pages.alloc(2)
+    with pytest.raises(AssertionError, match="KV pages leaked: 6 of 8 free"):
+        pages.check_no_leak()
+
+
+def test_forced_tokens_are_fed_back(engine):
+    forced = [[11, 12, 13, 14]]
+    seen = {}
+    Driver(engine).generate([[1, 2, 3]], SamplingParams(max_tokens=4), forced=forced,
+                            on_logits=lambda uid, pos, lp: seen.update({pos + i: lp[i] for i in range(len(lp))}))
+    assert sorted(seen) == [0, 1, 2, 3, 4, 5]  # 3 prefill positions, then decode after 11, 12, 13
+
+
+def test_eos_ids_from_generation_config():
+    assert eos_token_ids(zoo.path("smollm2-135m")) == [2]

@@ -1,0 +1,102 @@
+"""Errors a user can cause are clear exceptions naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness import zoo
+from harness.driver import Driver
+
+
+def config(path, **kw) -> EngineConfig:
+    kw.setdefault("num_page_override", 256)
+    return EngineConfig(model_path=str(path), tp_info=DistributedInfo(0, 1), dtype=torch.float32, device="cpu",
+                        max_seq_len_override=64, **kw)
+
+
+@pytest.fixture
+def engine():
+    eng = Engine(config(zoo.path("tiny-qwen3")))
+    yield eng
+    eng.shutdown()
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model at"):
+        Engine(config(tmp_path / "nowhere"))
+
+
+def test_unsupported_architecture(tmp_path):
+    cfg = json.loads((zoo.path("tiny-qwen3") / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Llama"):
+        Engine(config(tmp_path))
+
+
+@pytest.mark.parametrize("pages", [0, 1])
+def test_kv_pool_of_one_page_or_less(pages):
+    with pytest.raises(ValueError, match="not enough memory for the KV cache"):
+        Engine(config(zoo.path("tiny-qwen3"), num_page_override=pages))
+
+
+def test_prompt_longer_than_max_seq_len(engine):
+    with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
+        Driver(engine).generate([[1] * 65], SamplingParams(max_tokens=1))
+
+
+def test_prompt_plus_max_tokens_over_max_seq_len(engine):
+    with pytest.raises(ValueError, match="max_tokens 10 exceeds max_seq_len"):
+        Driver(engine).generate([[1] * 60], SamplingParams(max_tokens=10))
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        Driver(engine).generate([[]], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("bad", [-1, 49152])
+def test_token_id_outside_vocabulary(engine, bad):
+    with pytest.raises(ValueError, match=rf"token ids \[{bad}\] are outside the vocabulary \[0, 49152\)"):
+        Driver(engine).generate([[1, bad, 2]], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(temperature=-0.5), "temperature must be"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(top_p=0.0), "top_p must lie in"),
+    (dict(top_p=1.5), "top_p must lie in"),
+    (dict(top_k=0), "top_k must be -1"),
+    (dict(top_k=-2), "top_k must be -1"),
+    (dict(min_p=1.5), "min_p must lie in"),
+    (dict(max_tokens=0), "max_tokens must be"),
+])
+def test_invalid_sampling_params(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_tp_size_that_does_not_divide_heads():
+    cfg = EngineConfig(model_path=str(zoo.path("smollm2-135m")), tp_info=DistributedInfo(0, 2), dtype=torch.float32)
+    with pytest.raises(ValueError, match="9 is not divisible by TP size 2"):
+        Engine(cfg)
+
+
+def test_invalid_engine_config():
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        config(zoo.path("tiny-qwen3"), page_size=0)
+
+
+def test_request_larger_than_the_pool():
+    eng = Engine(config(zoo.path("tiny-qwen3"), num_page_override=8))
+    try:
+        with pytest.raises(ValueError, match="exceeds max_seq_len 8 .* the KV pool's 8 tokens"):
+            Driver(eng).generate([[1] * 10], SamplingParams(max_tokens=10))
+    finally:
+        eng.shutdown()

@@ -1,0 +1,21 @@
+"""The spec's hand-driven example runs as written and matches HF token by token."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ch06_engine.py"
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny-qwen3"])
+def test_ch06_example(model):
+    out = subprocess.run([sys.executable, str(EXAMPLE), model], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "device cpu, attention backend torch, KV pool 1024 pages, page table (5, 256)"
+    assert lines[1].startswith("prefill input tokens:")
+    assert [line.endswith("matches HF: True") for line in lines[2:]] == [True, True], out.stdout

@@ -1,0 +1,135 @@
+"""Unit tests of engine.sample: the spec's example, prepare, greedy rows, seeds, bad input, and the oracle."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from engine.core import SamplingParams
+from engine.sample import Sampler, filtered_probs
+from harness.oracle import filtered_distribution
+from harness.sampling import make_batch
+from harness.sampling_cases import small_cases
+
+CPU = torch.device("cpu")
+SPEC_LOGITS = [5.0, 4.0, 3.0, 0.0, 0.0, 0.0]
+
+
+def draw(logits: torch.Tensor, params: Sequence[SamplingParams], reps: int, seed: int = 0) -> torch.Tensor:
+    """reps draws per row in one call (the batch repeated) -> [reps, rows]."""
+    sampler = Sampler(CPU, logits.shape[1], torch.Generator().manual_seed(seed))
+    args = sampler.prepare(make_batch(list(params) * reps))
+    return sampler.sample(logits.repeat(reps, 1), args).view(reps, len(params))
+
+
+# ------------------------------------------------------------------------------------------ the spec's example
+def test_spec_example() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    assert Sampler(CPU, 6).prepare(make_batch([greedy, greedy])).temperatures is None
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5), greedy]
+    draws = draw(torch.tensor([SPEC_LOGITS] * 3), params, reps=2000)  # one call: the 3-row batch 2000 times
+    assert set(draws[:, 0].tolist()) <= {0, 1}
+    assert set(draws[:, 1].tolist()) == {0}  # 0.665 of the mass is already >= 0.5
+    assert set(draws[:, 2].tolist()) == {0}
+    p0 = math.exp(5) / (math.exp(5) + math.exp(4))
+    assert abs((draws[:, 0] == 0).float().mean().item() - p0) < 0.03
+
+
+# ------------------------------------------------------------------------------------------ the oracle's numbers
+def test_oracle_top_k_spec_number() -> None:
+    probs = filtered_distribution(np.array(SPEC_LOGITS), 1.0, top_k=2).probs
+    assert probs[0] == pytest.approx(math.exp(5) / (math.exp(5) + math.exp(4)))
+    assert probs[0] == pytest.approx(0.731, abs=5e-4) and probs[2:].sum() == 0.0
+
+
+def test_oracle_top_k_before_top_p_unlike_a_joint_filter() -> None:
+    logits = np.log([0.4, 0.3, 0.2, 0.1])
+    assert filtered_distribution(logits, 1.0, top_k=2, top_p=0.5).probs.tolist() == [1.0, 0.0, 0.0, 0.0]
+    joint = filtered_distribution(logits, 1.0, top_p=0.5).probs  # top-p on the whole distribution: mass ahead 0.4
+    assert joint[:2] == pytest.approx([0.4 / 0.7, 0.3 / 0.7]) and joint[2:].sum() == 0.0
+
+
+def test_oracle_tie_rules_and_invalid_rows() -> None:
+    tie_k = filtered_distribution(np.array([0.0, 2.0, 1.0, 3.0, 1.0, 1.0]), 1.0, top_k=3).probs
+    assert np.flatnonzero(tie_k).tolist() == [1, 2, 3]  # of the tied ids 2, 4, 5 the lowest is kept
+    quarter = filtered_distribution(np.array([-np.inf, 0.0, 0.0, 0.0, 0.0]), 1.0, top_p=0.5).probs
+    assert np.flatnonzero(quarter).tolist() == [1, 2]  # mass ahead of the third is exactly 0.5: not < 0.5
+    assert filtered_distribution(np.array([1.0, 3.0, 3.0]), 0.0).probs.tolist() == [0.0, 1.0, 0.0]
+    assert filtered_distribution(np.array([1.0, np.nan]), 1.0).probs is None
+    assert filtered_distribution(np.array([-np.inf, -np.inf]), 1.0).probs is None
+
+
+def test_filtered_probs_matches_oracle_on_every_small_case() -> None:
+    """The deterministic half of the distribution tests: the sampler's probabilities against the float64 oracle."""
+    for case in small_cases():
+        sampler = Sampler(CPU, case.vocab)
+        args = sampler.prepare(make_batch(case.params))
+        if args.temperatures is None:
+            continue
+        logits = torch.from_numpy(case.logits)
+        logits = torch.where(logits.amax(dim=-1, keepdim=True).isfinite(), logits, 0.0)  # as Sampler.sample does
+        probs = filtered_probs(logits, args.temperatures, args.top_k, args.top_p, args.min_p).double()
+        for i, p in enumerate(case.params):
+            want = filtered_distribution(case.logits[i], p.temperature, p.top_k, p.top_p, p.min_p).probs
+            if want is None or p.is_greedy:
+                continue
+            got = (probs[i] / probs[i].sum()).numpy()
+            assert np.array_equal(got > 0, want > 0), f"{case.name} row {i}: support differs"
+            np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"{case.name} row {i}")
+
+
+# ------------------------------------------------------------------------------------------ prepare and greedy rows
+def test_prepare_mixed_batch_layout() -> None:
+    params = [SamplingParams(0.0), SamplingParams(0.7, top_k=50), SamplingParams(1.0)]
+    args = Sampler(CPU, 100).prepare(make_batch(params))
+    assert args.temperatures.tolist() == pytest.approx([1e-6, 0.7, 1.0])
+    assert args.top_k.tolist() == [100, 50, 100]  # greedy rows are not limited by top-k: the argmax answers them
+    assert args.top_p is None and args.min_p is None
+    assert args.greedy.tolist() == [True, False, False]
+    assert Sampler(CPU, 10).prepare(make_batch(params)).top_k is None  # 50 > vocab: no row is limited
+    assert Sampler(CPU, 10).prepare(make_batch([SamplingParams(1.0, top_p=0.9)])).greedy is None
+
+
+@pytest.mark.parametrize("logits, argmax", [([2.0, 3.0, 3.0, 0.5], 1),  # exact tie: the lower id, like argmax
+                                            ([2.0, 3.0 - 2.0 ** -21, 1.0, 3.0], 3)])  # 5e-7 apart: T=1e-6 is not 0
+def test_greedy_row_in_mixed_batch_is_the_argmax(logits: list, argmax: int) -> None:
+    params = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.9, top_k=1)]
+    draws = draw(torch.tensor([logits] * 3), params, reps=4000)
+    assert set(draws[:, 0].tolist()) == {argmax} and set(draws[:, 2].tolist()) == {argmax}
+    greedy_only = draw(torch.tensor([logits]), [SamplingParams(0.0)], reps=10)
+    assert set(greedy_only[:, 0].tolist()) == {argmax}  # the all-greedy path answers the same
+
+
+# ------------------------------------------------------------------------------------------ seeds and bad input
+def test_same_seed_same_draws() -> None:
+    logits = torch.tensor([SPEC_LOGITS, [0.0, 1.0, 2.0, 3.0, 2.0, 1.0]])
+    params = [SamplingParams(1.0, top_p=0.9), SamplingParams(0.8, top_k=4, min_p=0.05)]
+    first, again = draw(logits, params, 500, seed=7), draw(logits, params, 500, seed=7)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, draw(logits, params, 500, seed=8))
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"temperature": float("nan")}, {"top_p": 0.0},
+                                    {"top_p": 1.5}, {"top_p": -0.2}, {"top_k": 0}, {"top_k": -2}, {"top_k": 2.5},
+                                    {"min_p": -0.01}, {"min_p": 1.01}])
+def test_invalid_sampling_params_raise(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_bad_rows_give_minus_one_and_leave_the_others_alone(bad: float, greedy: bool) -> None:
+    good = torch.tensor([1.0, -0.5, 3.0, 0.0, 2.2, -4.0, 2.5, 0.5])
+    bad_row = torch.full_like(good, bad) if math.isinf(bad) else good.index_fill(0, torch.tensor([3]), bad)
+    t = 0.0 if greedy else 1.0
+    params = [SamplingParams(t), SamplingParams(t), SamplingParams(t, top_k=5), SamplingParams(t, top_p=0.9)]
+    with_bad = draw(torch.stack([good, bad_row, good.flip(0), good * 0.5]), params, reps=500, seed=3)
+    replaced = draw(torch.stack([good, good * 2, good.flip(0), good * 0.5]), params, reps=500, seed=3)
+    assert set(with_bad[:, 1].tolist()) == {-1}
+    # CPU multinomial spends the same randomness on every row, so the other rows' draws are identical
+    assert torch.equal(with_bad[:, [0, 2, 3]], replaced[:, [0, 2, 3]])
