@@ -36,6 +36,7 @@ class EngineConfig:
     use_dummy_weight: bool = False
     max_seq_len_override: int | None = None
     num_page_override: int | None = None
+    max_prefill_tokens: int | None = None  # most tokens one forward may carry (None: max_seq_len); sizes the reserve
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -67,7 +68,7 @@ class EngineConfig:
 
     @property
     def max_forward_len(self) -> int:
-        return self.max_seq_len
+        return min(self.max_seq_len, self.max_prefill_tokens or self.max_seq_len)
 
     @property
     def distributed_addr(self) -> str:

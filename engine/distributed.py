@@ -40,10 +40,20 @@ def get_tp_info() -> DistributedInfo:
 def init_process_groups(info: DistributedInfo, device: torch.device, addr: str, timeout_s: float) -> dist.ProcessGroup:
     """Join the TP world. A rank that never arrives makes the others fail after `timeout_s`, not hang."""
     global _TP_GROUP, _TP_CPU_GROUP
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process: shut the previous Engine down "
+                           "(Engine.shutdown destroys its groups) before starting another with TP > 1")
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=addr, rank=info.rank, world_size=info.size, timeout=timeout,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        dist.init_process_group(backend, init_method=addr, rank=info.rank, world_size=info.size, timeout=timeout,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    except Exception as e:  # torch's message is one line of cause followed by C++ frames
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RuntimeError(
+            f"TP rank {info.rank} of {info.size} could not join the TP world at {addr} within "
+            f"distributed_timeout={timeout_s:g} s: {type(e).__name__}: {cause} (every rank must be started, "
+            "with the same distributed_port, and rank 0's port must be free)") from e
     _TP_GROUP = dist.group.WORLD
     _TP_CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else _TP_GROUP
     return _TP_CPU_GROUP

@@ -67,7 +67,7 @@ class Engine:
         self.model = self._load_model(config)
 
         # the KV pool gets the memory left; the extra page belongs to the dummy request
-        self.num_kv_heads = heads_per_rank(config.model_config)[1]
+        self.num_qo_heads, self.num_kv_heads = heads_per_rank(config.model_config)
         self.plan = self._determine_num_pages(init_free_memory, config)
         self.num_pages = self.plan.num_pages
         num_tokens = self.num_pages * config.page_size
@@ -81,9 +81,8 @@ class Engine:
             (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device)
 
         # the attention backend (reads the pool, so it comes after it) and the sampler
-        hq, hkv = heads_per_rank(config.model_config)
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(
-            config.attention_backend, config.model_config, hq, hkv, self.device, self.dtype)
+            config.attention_backend, config.model_config, self.num_qo_heads, self.num_kv_heads, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.model_config.vocab_size)
 
         # the dummy request and CUDA graphs (capturing runs the model, so it comes last)
@@ -166,6 +165,10 @@ class Engine:
     def _check_prefill(self, batch: Batch) -> None:
         """Host-side checks of what a user controls; a bad id would otherwise fail deep inside a kernel."""
         vocab = self.config.model_config.vocab_size
+        tokens = sum(r.extend_len for r in batch.reqs)
+        if tokens > self.config.max_forward_len:
+            raise ValueError(f"prefill batch of {tokens} tokens exceeds max_forward_len {self.config.max_forward_len} "
+                             "(the memory plan reserved activations for that many): split it")
         for req in batch.reqs:
             if req.device_len > self.max_seq_len:
                 raise ValueError(f"request {req.uid}: {req.device_len} tokens exceed max_seq_len {self.max_seq_len}")
@@ -203,7 +206,9 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     div_even(mc.intermediate_size, config.tp_info.size)
     device = config.device
     if device == "auto":
-        device = f"cuda:{config.tp_info.rank}" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{config.tp_info.rank}"  # one GPU per TP rank
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
     backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)

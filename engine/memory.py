@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from engine.utils.misc import gib
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,3 +50,62 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
             f"(free before load {gib(init_free_memory)}, model {gib(model)}, reserve {gib(reserve)}); "
             "raise memory_ratio or num_page_override, or use a smaller model, dtype or max_running_req")
     return MemoryPlan(init_free_memory, model, reserve, bytes_per_page, num_pages, bound)
+
+
+@torch.inference_mode()
+def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
+    """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
+
+    On a scratch pool just large enough, run the largest prefill (max_forward_len tokens), the largest decode batch
+    (its activations are what a CUDA graph's private pool keeps), and the sampler's worst path over
+    max_running_req rows; add the attention workspace. The sum is reserved from the KV pool's share.
+    """
+    from engine.attention import create_attention_backend
+    from engine.core import Batch, Req, SamplingParams
+    from engine.kvcache import create_kvcache_pool
+    from engine.sample import Sampler
+    from engine.utils.misc import align_up
+
+    ctx, mc, device = engine.ctx, config.model_config, engine.device
+    tokens = config.max_forward_len
+    max_bs = max(config.cuda_graph_bs or [1])
+    pages = -(-tokens // config.page_size) + max_bs + 1
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
+    ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
+    ctx.attn_backend = create_attention_backend(config.attention_backend, mc, engine.num_qo_heads,
+                                                engine.num_kv_heads, device, engine.dtype)
+    scratch = torch.cuda.memory_allocated(device) - base
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        probes = [("prefill", [Req(torch.zeros(tokens, dtype=torch.int32), 0, 0, 1, 0, SamplingParams(), None)]),
+                  ("decode", [Req(torch.zeros(2, dtype=torch.int32), i, 1, 1, i, SamplingParams(), None)
+                              for i in range(max_bs)])]
+        for phase, reqs in probes:
+            batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+            batch.padded_reqs = reqs
+            n = sum(r.extend_len for r in reqs)
+            batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+            batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
+            batch.out_loc = torch.arange(n, dtype=torch.int32, device=device)
+            ctx.attn_backend.prepare_metadata(batch)
+            with ctx.forward_batch(batch):
+                engine.model.forward()
+        rows = config.max_running_req
+        logits = torch.randn(rows, mc.vocab_size, device=device)
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
+        batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows, phase="decode")
+        sampler = Sampler(device, mc.vocab_size)
+        sampler.sample(logits, sampler.prepare(batch))
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base - scratch
+    finally:
+        ctx.kv_cache = ctx.page_table = ctx.attn_backend = None
+        torch.cuda.empty_cache()
+    from engine.attention.flashinfer_backend import WORKSPACE_BYTES
+
+    reserve = peak + (WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
+    logger.info("measured activation peak %s (prefill of %d tokens, decode of %d, sampling %d rows); reserve %s",
+                gib(peak), tokens, max_bs, rows, gib(reserve))
+    return reserve

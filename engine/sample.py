@@ -59,22 +59,22 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """logits [bs, vocab] -> tokens [bs] int64 (-1 for a row with NaN or no finite maximum)."""
-        valid = torch.isfinite(logits.amax(dim=-1))  # amax propagates NaN
         if args.temperatures is None:
-            tokens = torch.argmax(logits, dim=-1)
-        else:
-            logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
-            impl = sample_torch
-            if logits.is_cuda and args.min_p is None:
-                try:
-                    import flashinfer.sampling  # noqa: F401
+            top, tokens = logits.max(dim=-1)  # max propagates NaN, so a NaN row has a non-finite top
+            return torch.where(torch.isfinite(top), tokens, INVALID_TOKEN)
+        valid = torch.isfinite(logits.amax(dim=-1))
+        logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
+        impl = sample_torch
+        if logits.is_cuda and args.min_p is None:
+            try:
+                import flashinfer.sampling  # noqa: F401
 
-                    impl = sample_flashinfer
-                except ImportError:
-                    pass
-            tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, self.generator)
-            if args.greedy is not None:
-                tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
+                impl = sample_flashinfer
+            except ImportError:
+                pass
+        tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, self.generator)
+        if args.greedy is not None:
+            tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
         return torch.where(valid, tokens, INVALID_TOKEN)
 
 

@@ -1,5 +1,153 @@
-"""placeholder"""
+"""python -m harness bench: throughput and latency of the engine beside HF generate and the hardware's limit.
+
+Every figure comes from this one run: the engine (through the driver, host work included, synchronized), HF
+transformers on the same model, dtype and workload, and the limit (a large copy for bandwidth, a large matmul for
+FLOP/s) measured on the same device. Writes reports/bench/<device>/: bench.csv, bench.json, summary.md, *.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Dict, List
+
+import torch
+from tqdm import tqdm
+
+from engine import Engine, EngineConfig
+from engine.distributed import DistributedInfo
+from harness import zoo
+from harness.bench_limits import Limits, ModelCost, measure_limits, model_cost
+from harness.bench_report import write_bench_report
+from harness.bench_workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
+                                     hf_offline, hf_prefill, median, offline_workload, spread)
+from harness.driver import Driver
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODELS = {"cpu": ["smollm2-135m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
+DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 
-def register(sub) -> None:
-    pass
+def _row(model: str, runner: str, workload: str, bs: int, length: int, secs: List[float], tokens: int,
+         cost: ModelCost, limits: Limits, forward: tuple[int, int, int]) -> Dict[str, Any]:
+    """One measurement with its physics: tokens/s, the floor from bytes and FLOPs, achieved GB/s and TFLOP/s."""
+    med = median(secs)
+    p10, p90 = spread(secs)
+    nbytes, flops = cost.forward(*forward)
+    floor = limits.floor_seconds(nbytes, flops)
+    return {"model": model, "runner": runner, "workload": workload, "batch_size": bs, "length": length,
+            "median_s": med, "p10_s": p10, "p90_s": p90, "samples": len(secs), "tokens_per_s": tokens / med,
+            "floor_s": floor, "fraction_of_floor": floor / med, "achieved_GBps": nbytes / med / 1e9,
+            "achieved_TFLOPs": flops / med / 1e12}
+
+
+def _engine(model: str, device: str, dtype: str, spec: BenchSpec, graphs: bool) -> Engine:
+    return Engine(EngineConfig(
+        model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype), device=device,
+        max_running_req=max(max(spec.decode_bs), spec.offline[0]), use_dummy_weight=not zoo.MODELS[model].has_weights,
+        max_seq_len_override=max(max(spec.prefill_lengths), max(spec.latency_ctx), 2 * spec.offline[2]) + 64,
+        cuda_graph_max_bs=None if graphs else 0))
+
+
+def _hf(model: str, device: str, dtype: str) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, torch_dtype = zoo.path(model), getattr(torch, dtype)
+    if zoo.MODELS[model].has_weights:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch_dtype).to(device).eval()
+
+
+def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_hf: bool) -> List[Dict[str, Any]]:
+    dtype = DTYPES[device.split(":")[0]]
+    rows: List[Dict[str, Any]] = []
+    prompts, outs = offline_workload(*spec.offline)
+    n_hf, cap = spec.hf_offline
+    sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
+    variants = [("engine", True)] + ([("engine-eager", False)] if device.startswith("cuda") else [])
+    for runner, graphs in variants:
+        engine = _engine(model, device, dtype, spec, graphs)
+        cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
+        driver = Driver(engine, max_prefill_tokens=8192)
+        try:
+            for bs in tqdm(spec.decode_bs, desc=f"{model} {runner} decode vs batch"):
+                secs = engine_decode(driver, bs, spec.decode_ctx, spec.decode_steps, vocab)
+                rows.append(_row(model, runner, "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
+                                 (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))))
+            for ctx in tqdm(spec.latency_ctx, desc=f"{model} {runner} decode vs context"):
+                secs = engine_decode(driver, 1, ctx, spec.decode_steps, vocab)
+                rows.append(_row(model, runner, "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)))
+            if runner != "engine":
+                continue
+            for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill"):
+                secs = engine_prefill(driver, n, vocab, spec.repeats)
+                rows.append(_row(model, runner, "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
+            for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_subset", (sub_prompts, sub_outs))):
+                run = engine_offline(driver, ps, os_, greedy=name == "offline_subset")
+                rows.append(_offline_row(model, runner, name, run, cost, limits))
+        finally:
+            engine.shutdown()
+    if with_hf:
+        rows += _bench_hf(model, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
+    return rows
+
+
+def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, limits: Limits) -> Dict[str, Any]:
+    """Whole-run floor: every step's bytes and FLOPs (from the driver's log) over the measured limits."""
+    floor = 0.0
+    for s in run.steps:
+        pairs = s.kv_tokens if s.phase == "decode" else s.num_tokens * s.kv_tokens // max(2 * s.batch_size, 1)
+        floor += limits.floor_seconds(*cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, pairs))
+    return {"model": model, "runner": runner, "workload": name, "batch_size": len(run.steps) and max(
+        s.batch_size for s in run.steps), "length": run.output_tokens, "median_s": run.seconds, "samples": 1,
+            "tokens_per_s": run.output_tokens / run.seconds, "floor_s": floor or float("nan"),
+            "fraction_of_floor": floor / run.seconds if floor else float("nan")}
+
+
+def _bench_hf(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limits, cost: ModelCost, vocab: int,
+              sub_prompts: List[List[int]], sub_outs: List[int]) -> List[Dict[str, Any]]:
+    hf, dev = _hf(model, device, dtype), torch.device(device)
+    rows = []
+    for bs in tqdm(spec.hf_decode_bs, desc=f"{model} HF decode"):
+        secs = hf_decode(hf, bs, spec.decode_ctx, spec.decode_steps, vocab, dev)
+        rows.append(_row(model, "hf", "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
+                         (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))))
+    secs = hf_decode(hf, 1, spec.latency_ctx[-1], spec.decode_steps, vocab, dev)
+    rows.append(_row(model, "hf", "decode_ctx", 1, spec.latency_ctx[-1], secs, 1, cost, limits,
+                     (1, spec.latency_ctx[-1], spec.latency_ctx[-1] + 1)))
+    for n in tqdm(spec.prefill_lengths, desc=f"{model} HF prefill"):
+        secs = hf_prefill(hf, n, vocab, spec.repeats, dev)
+        rows.append(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
+    run = hf_offline(hf, sub_prompts, sub_outs, dev)
+    rows.append({"model": model, "runner": "hf", "workload": "offline_subset", "length": run.output_tokens,
+                 "median_s": run.seconds, "samples": 1, "tokens_per_s": run.output_tokens / run.seconds})
+    del hf
+    return rows
+
+
+def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str, Any]:
+    dev = torch.device(device if device != "cuda" else "cuda:0")
+    spec = SPECS[dev.type]
+    limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
+    logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
+    rows = []
+    for model in models:
+        rows += bench_model(model, str(dev), spec, limits, with_hf)
+    return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows}
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    device = args.device
+    models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
+    result = run_bench(device, models, with_hf=not args.no_hf)
+    print(write_bench_report(result))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--model", action="append", choices=list(zoo.MODELS),
+                   help="default: smollm2-135m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF peer (its ratios are then missing)")
+    p.set_defaults(func=_cmd)

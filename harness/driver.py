@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,17 @@ logger = logging.getLogger(__name__)
 
 # (uid, first position of these rows, logprobs [rows, vocab] float32) -> None
 LogitsHook = Callable[[int, int, torch.Tensor], None]
+
+
+@dataclass
+class StepRecord:
+    """One forward as the driver saw it: host preparation, forward, sampling, and the copy back, synchronized."""
+
+    phase: Literal["prefill", "decode"]
+    batch_size: int
+    num_tokens: int  # tokens fed to the model
+    kv_tokens: int  # tokens of KV attended over (sum of device_len)
+    seconds: float
 
 
 @dataclass
@@ -73,11 +85,12 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
 class Driver:
     def __init__(self, engine: Engine, max_prefill_tokens: int = 4096) -> None:
         self.engine = engine
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.page_size = engine.config.page_size
         self.pages = PageAllocator(engine.num_pages)
         self.free_rows: Deque[int] = deque(range(engine.config.max_running_req))
         self.row_slots: Dict[int, torch.Tensor] = {}  # host copy of each occupied page-table row
+        self.steps: List[StepRecord] = []  # every forward, for benchmarks
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -186,26 +199,36 @@ class Driver:
     def _forward(self, reqs: List[Req], phase: Literal["prefill", "decode"],
                  on_logits: LogitsHook | None) -> List[int]:
         eng = self.engine
+        t0 = time.perf_counter()
         mode = "none" if on_logits is None else ("all" if phase == "prefill" else "last")
         batch = Batch(reqs=reqs, phase=phase, return_logits=mode)
         eng.graph_runner.pad_batch(batch)
-        starts = [r.cached_len for r in reqs]
-        ends = [r.device_len for r in reqs]
         dev = eng.device
-        batch.positions = torch.cat([torch.arange(s, e, dtype=torch.int32) for s, e in zip(starts, ends)]).to(dev)
-        batch.input_ids = torch.cat([r.input_ids[s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
-        batch.out_loc = torch.cat([self.row_slots[r.table_idx][s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
+        if phase == "decode":  # one token each: plain lists and a single host-to-device copy
+            pos = [r.device_len - 1 for r in reqs]
+            host = torch.tensor([pos, [int(r.input_ids[-1]) for r in reqs],
+                                 [int(self.row_slots[r.table_idx][p]) for r, p in zip(reqs, pos)]],
+                                dtype=torch.int32, pin_memory=dev.type == "cuda")
+            batch.positions, batch.input_ids, batch.out_loc = host.to(dev, non_blocking=True).unbind(0)
+        else:
+            starts, ends = [r.cached_len for r in reqs], [r.device_len for r in reqs]
+            batch.positions = torch.cat([torch.arange(s, e, dtype=torch.int32) for s, e in zip(starts, ends)]).to(dev)
+            batch.input_ids = torch.cat([r.input_ids[s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
+            batch.out_loc = torch.cat([self.row_slots[r.table_idx][s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
+        spans = [(r, r.cached_len, r.extend_len) for r in reqs]
         eng.attn_backend.prepare_metadata(batch)
         out = eng.forward_batch(batch, eng.sampler.prepare(batch))
         if on_logits is not None:
             logprobs = torch.log_softmax(out.logits, dim=-1)
             offset = 0
-            for r, s, e in zip(reqs, starts, ends):
-                rows = e - s if phase == "prefill" else 1
-                on_logits(r.uid, s if phase == "prefill" else e - 1, logprobs[offset: offset + rows])
+            for r, start, rows in spans:  # positions [cached_len, device_len) as they were before the forward
+                on_logits(r.uid, start, logprobs[offset: offset + rows])
                 offset += rows
         out.copy_done_event.synchronize()
-        return out.next_tokens_cpu.tolist()
+        tokens = out.next_tokens_cpu.tolist()
+        self.steps.append(StepRecord(phase, len(reqs), sum(n for _, _, n in spans),
+                                     sum(s + n for _, s, n in spans), time.perf_counter() - t0))
+        return tokens
 
     def _finish(self, running: List[_Running], eos_ids: Sequence[int]) -> None:
         eos = set(eos_ids)

@@ -38,7 +38,7 @@ class RowResult:
     case: str
     row: int
     params: str
-    kind: str  # sampled, greedy, single (support of one token), invalid
+    kind: str  # sampled, greedy, single (support of one token), invalid, error (the sampler raised)
     n: int
     alpha: float
     n_required: int | None = None  # draws the power analysis asks for; more than n where the cost cap binds
@@ -170,8 +170,8 @@ def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequ
 
 
 # ---------------------------------------------------------------------------------------------- report and CLI
-TABLE = ["case", "row", "params", "kind", "n", "n_required", "categories", "pooled_mass", "statistic", "p_value", "alpha",
-         "detectable_tv", "power_at_tv", "result"]
+TABLE = ["case", "row", "params", "kind", "n", "n_required", "categories", "pooled_mass", "statistic", "p_value",
+         "alpha", "detectable_tv", "power_at_tv", "result"]
 
 
 def _table_rows(result: GridResult) -> List[Dict[str, object]]:
@@ -189,12 +189,14 @@ def write_report(result: GridResult, device: str, out: Path, wall: float) -> Non
     (out / "sampling.md").write_text(markdown(result, _table_rows(result), TABLE, prov, wall))
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float = DEFAULT_MAX_COST,
+            real: bool = True) -> int:
+    """Run the grid, write the report, print a short table; 0 when every check passes, 1 otherwise."""
     start = time.perf_counter()
-    result = run_grid(args.device, cases=all_cases(real=not args.no_real), max_cost=args.max_cost, seed=args.seed)
+    result = run_grid(device, cases=all_cases(real=real), max_cost=max_cost, seed=seed)
     wall = time.perf_counter() - start
-    out = Path(args.out) if args.out else report.REPORTS_DIR / "sampling" / args.device.split(":")[0]
-    write_report(result, args.device, out, wall)
+    out = out or report.REPORTS_DIR / "sampling" / device.split(":")[0]
+    write_report(result, device, out, wall)
     print(report.text_table(_table_rows(result), ["case", "row", "params", "n", "categories", "p_value",
                                                   "detectable_tv", "power_at_tv", "result"]))
     s = result.settings
@@ -202,6 +204,15 @@ def _run(args: argparse.Namespace) -> int:
           f"{wall:.0f} s; report in {out}")
     print("PASS" if result.passed else f"FAIL: {', '.join(result.failed_cases())}")
     return 0 if result.passed else 1
+
+
+def main_from_parity() -> int:
+    """What `python -m harness parity` runs after the golden comparison: the default CPU grid and its report."""
+    return run_cli("cpu")
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, not args.no_real)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

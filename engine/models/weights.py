@@ -35,7 +35,8 @@ def _iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
 
 def _shard_rows(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
     rows = t.shape[0] // count
-    return t[index * rows: (index + 1) * rows]
+    # a copy, not a view: a view would keep the whole checkpoint tensor alive on every rank
+    return t[index * rows: (index + 1) * rows].clone()
 
 
 def _shard(name: str, module: str, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -49,7 +50,7 @@ def _shard(name: str, module: str, t: torch.Tensor, config: ModelConfig) -> torc
         return _shard_rows(t, info.rank, info.size)
     if module in _ROW_PARALLEL and name.endswith("weight"):
         cols = t.shape[1] // info.size
-        return t[:, info.rank * cols: (info.rank + 1) * cols]
+        return t[:, info.rank * cols: (info.rank + 1) * cols].contiguous()  # a copy (the slice is strided)
     if module in _VOCAB:
         per_rank = -(-config.vocab_size // info.size)
         padded = torch.nn.functional.pad(t, (0, 0, 0, per_rank * info.size - t.shape[0]))

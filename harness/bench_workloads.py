@@ -1,0 +1,146 @@
+"""The benchmark workloads, run through the engine (via the driver, host work included) and through HF generate."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from engine.core import SamplingParams
+from harness.bench_limits import timed
+from harness.driver import Driver
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    prefill_lengths: List[int]
+    decode_bs: List[int]
+    decode_ctx: int
+    latency_ctx: List[int]  # decode step latency vs context, at batch 1
+    decode_steps: int
+    hf_decode_bs: List[int]
+    offline: Tuple[int, int, int]  # requests, min length, max length (inputs and outputs alike)
+    hf_offline: Tuple[int, int]  # requests of the offline workload HF also runs, output length cap
+    repeats: int
+
+
+SPECS: Dict[str, BenchSpec] = {
+    "cpu": BenchSpec([32, 64, 128, 256, 512], [1, 2, 4, 8, 16], 128, [32, 128, 512], 8, [1, 4, 16],
+                     (32, 32, 128), (8, 32), 5),
+    "cuda": BenchSpec([128, 256, 512, 1024, 2048, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 512,
+                      [128, 512, 1024, 2048, 4096], 16, [1, 8, 64, 256], (256, 100, 1024), (32, 64), 5),
+}
+
+
+def random_ids(n: int, vocab: int, seed: int) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+
+
+def offline_workload(n: int, lo: int, hi: int) -> Tuple[List[List[int]], List[int]]:
+    """nano-vllm's offline workload, draw for draw: random.seed(0), token ids randint(0, 10000), input lengths
+    randint(lo, hi), then output lengths randint(lo, hi) (256 x (100, 1024) gives 133,966 output tokens)."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+    outputs = [random.randint(lo, hi) for _ in range(n)]
+    return prompts, outputs
+
+
+OFFLINE_PARAMS = dict(temperature=0.6, ignore_eos=True)  # as nano-vllm samples it
+
+
+# ------------------------------------------------------------------------------------------------ engine
+def engine_prefill(driver: Driver, length: int, vocab: int, repeats: int) -> List[float]:
+    ids = random_ids(length, vocab, seed=length)
+    out = []
+    for i in range(repeats + 1):
+        driver.steps.clear()
+        driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+        if i:  # the first is warm-up
+            out.append(driver.steps[0].seconds)
+    return out
+
+
+def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[float]:
+    prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
+    driver.steps.clear()
+    driver.generate(prompts, params)
+    decode = [s.seconds for s in driver.steps if s.phase == "decode" and s.batch_size == bs]
+    return decode[1:]  # the first decode step after a prefill is warm-up
+
+
+@dataclass
+class OfflineRun:
+    seconds: float
+    output_tokens: int
+    steps: List[Any] = field(default_factory=list)
+
+
+def engine_offline(driver: Driver, prompts: List[List[int]], outputs: List[int], greedy: bool = False) -> OfflineRun:
+    """greedy: as HF's side of the comparison runs (do_sample=False); else nano-vllm's temperature 0.6."""
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) if greedy else
+              SamplingParams(max_tokens=o, **OFFLINE_PARAMS) for o in outputs]
+    driver.generate(prompts[:2], params[:2])  # warm-up
+    driver.steps.clear()
+    t0 = time.perf_counter()
+    res = driver.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    return OfflineRun(seconds, sum(len(r.output_ids) for r in res), list(driver.steps))
+
+
+# ------------------------------------------------------------------------------------------------ HF
+def hf_prefill(model: Any, length: int, vocab: int, repeats: int, device: torch.device) -> List[float]:
+    ids = torch.tensor([random_ids(length, vocab, seed=length)], device=device)
+    with torch.inference_mode():
+        return timed(lambda: model(ids, use_cache=False), device, repeats, warmup=1)
+
+
+def _hf_generate(model: Any, ids: torch.Tensor, new: int, mask: torch.Tensor | None = None) -> float:
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=[], pad_token_id=0)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, **kw)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def hf_decode(model: Any, bs: int, ctx: int, steps: int, vocab: int, device: torch.device) -> List[float]:
+    """Per-step seconds of HF generate: (time for 1 + steps tokens - time for 1 token) / steps, twice."""
+    ids = torch.tensor([random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)], device=device)
+    _hf_generate(model, ids, 2)  # warm-up
+    return [(_hf_generate(model, ids, steps + 1) - _hf_generate(model, ids, 1)) / steps for _ in range(2)]
+
+
+def hf_offline(model: Any, prompts: List[List[int]], outputs: List[int], device: torch.device,
+               batch: int = 64) -> OfflineRun:
+    """HF generate over the same requests, left-padded batches; only the tokens each request asked for count."""
+    seconds, tokens = 0.0, 0
+    for i in range(0, len(prompts), batch):
+        ps, outs = prompts[i: i + batch], outputs[i: i + batch]
+        width = max(map(len, ps))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device=device)
+        seconds += _hf_generate(model, ids, max(outs), mask)
+        tokens += sum(outs)
+    return OfflineRun(seconds, tokens)
+
+
+def median(xs: List[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: List[float]) -> Tuple[float, float]:
+    """(p10, p90) of the samples."""
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=10)
+    return q[0], q[-1]
