@@ -18,11 +18,26 @@ pytestmark = pytest.mark.cuda
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [42] * 9, list(range(7, 300, 3))]
 
 
+_LIVE: List[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines():
+    """A failing test still shuts its engine down, so the next test can start one."""
+    yield
+    while _LIVE:
+        eng = _LIVE.pop()
+        if eng.model is not None:
+            eng.shutdown()
+
+
 def make(model: str = "tiny-qwen3", **kw) -> Engine:
     kw.setdefault("num_page_override", 4096)
     kw.setdefault("max_seq_len_override", 1024)
     kw.setdefault("dtype", torch.bfloat16)
-    return Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), device="cuda", **kw))
+    eng = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), device="cuda", **kw))
+    _LIVE.append(eng)
+    return eng
 
 
 def logprobs(engine: Engine, prompts: List[List[int]], steps: int = 8, **kw) -> dict:
@@ -37,9 +52,11 @@ def logprobs(engine: Engine, prompts: List[List[int]], steps: int = 8, **kw) -> 
     return seen
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+def max_diff(ref: dict, got: dict, k: int = 64) -> float:
+    """Max |logprob| difference on the reference's top-k ids at every position (parity's measure)."""
+    assert ref.keys() == got.keys()
+    return max((ref[p].gather(0, ids) - got[p].gather(0, ids)).abs().max().item()
+               for p in ref for ids in [ref[p].topk(k).indices])
 
 
 def bf16_tolerance(model: str) -> float:
@@ -102,8 +119,9 @@ def test_memory_plan_leaves_room_for_the_largest_forward():
     plan = eng.plan
     assert plan.reserve > 0 and plan.capped_by == "memory_ratio"
     # the largest prefill and the largest decode batch run without running out of memory
+    assert eng.config.max_forward_len == 4096  # tiny-qwen3's max_position_embeddings
     driver = Driver(eng, max_prefill_tokens=8192)
-    driver.generate([list(range(1, 8001))], SamplingParams(max_tokens=2))
+    driver.generate([list(range(1, 4095))], SamplingParams(max_tokens=2))
     driver.generate([[1, 2, 3]] * 256, SamplingParams(max_tokens=3))
     eng.shutdown()
 
