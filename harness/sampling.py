@@ -29,7 +29,8 @@ SampleFn = Callable[[torch.Tensor, BatchSamplingArgs, torch.Generator], torch.Te
 
 MIN_MARGIN = 1e-5  # a float32 sampler may decide a threshold comparison closer than ~1e-6 differently
 CHUNK_ELEMENTS = 1 << 24  # logits elements per sample call: 64 MiB of float32 (the sort holds a few copies)
-DEFAULT_MAX_COST = 2.5e8  # draws x vocab per case: ~5000 draws per row at 49152 tokens, ~2 minutes on 2 cores
+# draws x vocab per case: on 2 CPU cores ~5000 draws per row at 49152 tokens (~2 minutes); a GPU affords full power
+DEFAULT_MAX_COST = {"cpu": 2.5e8, "cuda": 1e11}
 GREEDY_ONLY_DRAWS = 2000  # cases without a random row only need enough draws to show they never stray
 
 
@@ -87,7 +88,7 @@ def draw(case: Case, n: int, device: torch.device, generator: torch.Generator,
     rows, vocab = case.logits.shape
     sampler = Sampler(device, vocab, generator)
     sample_fn = sample_fn or (lambda logits, args, gen: sampler.sample(logits, args))
-    reps = max(1, min(n, CHUNK_ELEMENTS // (rows * vocab)))
+    reps = max(1, min(n, (CHUNK_ELEMENTS << (4 if device.type == "cuda" else 0)) // (rows * vocab)))
     args = _tile(sampler.prepare(make_batch(case.params)), reps)
     logits = torch.from_numpy(case.logits).to(device).repeat(reps, 1)
     chunks = [sample_fn(logits, args, generator).view(reps, rows).cpu() for _ in range(-(-n // reps))]
@@ -141,10 +142,11 @@ def _check_row(case: Case, i: int, f: oracle.Filtered, draws: np.ndarray, alpha:
 
 def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequence[Case] | None = None,
              family_alpha: float = 0.01, tv: float = 0.01, power: float = 0.99,
-             max_cost: float = DEFAULT_MAX_COST, seed: int = 0) -> GridResult:
+             max_cost: float | None = None, seed: int = 0) -> GridResult:
     """Run every case; sample_fn replaces Sampler.sample (to test another implementation, or a planted fault)."""
     cases = list(cases) if cases is not None else all_cases()
     dev = torch.device(device)
+    max_cost = max_cost if max_cost is not None else DEFAULT_MAX_COST[dev.type]
     oracles = {c.name: _oracles(c) for c in cases}
     n_tests = max(1, sum(_is_random(f) for fs in oracles.values() for f in fs))
     alpha = family_alpha / n_tests
@@ -189,7 +191,7 @@ def write_report(result: GridResult, device: str, out: Path, wall: float) -> Non
     (out / "sampling.md").write_text(markdown(result, _table_rows(result), TABLE, prov, wall))
 
 
-def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float = DEFAULT_MAX_COST,
+def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
             real: bool = True) -> int:
     """Run the grid, write the report, print a short table; 0 when every check passes, 1 otherwise."""
     start = time.perf_counter()
@@ -220,7 +222,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--out", default=None, help="report folder (default reports/sampling/<device>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
-    p.add_argument("--max-cost", type=float, default=DEFAULT_MAX_COST,
-                   help="cap on draws x vocab per case; binds only the 49152-token cases (default %(default).1e)")
+    p.add_argument("--max-cost", type=float, default=None,
+                   help="cap on draws x vocab per case; binds only the 49152-token cases "
+                        f"(default {DEFAULT_MAX_COST['cpu']:.1e} on cpu, {DEFAULT_MAX_COST['cuda']:.1e} on cuda)")
     p.add_argument("--no-real", action="store_true", help="skip the cases on real SmolLM2 logits")
     p.set_defaults(func=_run)
