@@ -38,6 +38,10 @@ def golden(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput and latency beside HF and the hardware's limit, into reports/bench/<device>/."""
+    """Throughput and latency beside HF and the hardware's limit, into reports/bench/<device>/; on the CPU also
+    the pytest-benchmark micro-benchmarks (compare a change with --benchmark-compare against their JSON)."""
     _install(session)
     session.run("python", "-m", "harness", "bench", *session.posargs)
+    if "cuda" not in " ".join(session.posargs):
+        session.run("python", "-m", "pytest", "tests/test_bench_micro.py", "--benchmark-only", "-q",
+                    "--benchmark-json=reports/bench/cpu/pytest-benchmark.json")

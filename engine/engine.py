@@ -91,8 +91,7 @@ class Engine:
                              cache_handle=None)
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # every position -> the dummy page
         self.graph_runner = GraphRunner(self.stream, self.device, self.model, self.attn_backend,
-                                        config.cuda_graph_bs or [], self.dummy_req,
-                                        config.model_config.vocab_size, self.dtype)
+                                        config.cuda_graph_bs or [], self.dummy_req)
 
     # ------------------------------------------------------------------ init steps
     def _init_communication(self, config: EngineConfig) -> Any:
@@ -127,7 +126,6 @@ class Engine:
             reserve=self._activation_reserve(config),
             num_page_override=config.num_page_override,
         )
-        plan.num_pages = tp_min_over_ranks(plan.num_pages)
         logger.info("%s", plan.describe(config.page_size))
         return plan
 
@@ -184,7 +182,9 @@ class Engine:
         """Release everything this engine set up (also after a failed start), so another Engine can start."""
         if getattr(self, "graph_runner", None) is not None:
             self.graph_runner.destroy()
-        self.model = self.kv_cache = self.page_table = self.attn_backend = self.graph_runner = None  # type: ignore
+        # the TP group too: gloo closes its sockets only when the group object is freed
+        self.model = self.kv_cache = self.page_table = self.attn_backend = None  # type: ignore[assignment]
+        self.graph_runner = self.tp_cpu_group = None
         if getattr(self, "ctx", None) is not None:
             self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
         set_global_ctx(None)

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 class GraphRunner:
     def __init__(self, stream: Any, device: torch.device, model: torch.nn.Module, attn_backend: AttentionBackend,
-                 cuda_graph_bs: List[int], dummy_req: Req, vocab_size: int, dtype: torch.dtype) -> None:
+                 cuda_graph_bs: List[int], dummy_req: Req) -> None:
         self.device = device
         self.dummy_req = dummy_req
         self.graph_bs = sorted(cuda_graph_bs) if is_cuda(device) else []

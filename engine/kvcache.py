@@ -18,10 +18,6 @@ class KVCachePool:
         # Zeroed, not empty: padded attention reads unwritten slots with weight 0, and 0 * NaN would poison it.
         self._kv = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self._kv[0, layer_id]  # [num_pages, page_size, Hkv, D]
 
@@ -32,9 +28,6 @@ class KVCachePool:
         """k, v [N, Hkv, D] written at slots out_loc [N]."""
         self._kv[0, layer_id].view(-1, *k.shape[1:])[out_loc] = k
         self._kv[1, layer_id].view(-1, *v.shape[1:])[out_loc] = v
-
-    def bytes_per_page(self) -> int:
-        return self._kv[:, :, 0].numel() * self._kv.element_size()
 
 
 def create_kvcache_pool(model_config, num_pages: int, page_size: int, num_kv_heads: int, device: torch.device,

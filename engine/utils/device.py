@@ -18,9 +18,6 @@ class NullStream:
     def synchronize(self) -> None:
         pass
 
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
 
 class NullEvent:
     """An "event" on a CPU: recording and waiting are no-ops (the work is done by the time record runs)."""
@@ -35,19 +32,16 @@ class NullEvent:
         return True
 
 
-_STREAM: Any = None
-
-
 def create_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device=device) if is_cuda(device) else NullStream()
 
 
 def set_stream(stream: Any) -> None:
-    """Make `stream` current for the engine's compute (a no-op on the CPU)."""
-    global _STREAM
-    _STREAM = stream
+    """Make `stream` current for the engine's compute; None restores the default stream (a no-op on the CPU)."""
     if isinstance(stream, torch.cuda.Stream):
         torch.cuda.set_stream(stream)
+    elif stream is None and torch.cuda.is_initialized():
+        torch.cuda.set_stream(torch.cuda.default_stream())
 
 
 def create_event(device: torch.device) -> Any:
