@@ -72,6 +72,7 @@ class ParityResult:
     hf_spread: float
     prompts: List[PromptResult] = field(default_factory=list)
     obtained: str = ""  # where the engine's result was written when parity failed
+    tp: int = 1
 
     @property
     def passed(self) -> bool:
@@ -146,38 +147,48 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
     return results
 
 
-def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
-    """Run the engine along one path; per prompt, the PositionStat of every position and the sampled tokens."""
-    cfg = EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype),
-                       device=device, page_size=path.page_size, max_running_req=path.max_running_req,
-                       num_page_override=8192 // path.page_size, max_seq_len_override=512,
-                       attention_backend=path.attention_backend)
-    engine = Engine(cfg)
+def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet, tp: int = 1) -> tuple:
+    """Run the engine along one path; per prompt, the PositionStat of every position and the sampled tokens.
+    With tp > 1 the engine runs on tp ranks (processes, harness.tp) and rank 0's logits are compared."""
+    kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
+              max_running_req=path.max_running_req, num_page_override=8192 // path.page_size,
+              max_seq_len_override=512, attention_backend=path.attention_backend)
+    stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
+
+    def record(uid: int, start: int, lp: torch.Tensor) -> None:
+        lp = lp.cpu()
+        for i in range(lp.shape[0]):
+            stats[uid][start + i] = compare_row(lp[i], *_golden_row(gs.prompts[uid], start + i))
+
+    prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
+    forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
+    params = SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True)
+    groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
+    engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), **kw)) \
+        if tp == 1 else None
+    outputs: List[List[int]] = []
     try:
-        stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
-        prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
-        forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
-        offset = 0
-
-        def on_logits(uid: int, start: int, lp: torch.Tensor) -> None:
-            pg, lp = gs.prompts[uid + offset], lp.cpu()
-            for i in range(lp.shape[0]):
-                stats[uid + offset][start + i] = compare_row(lp[i], *_golden_row(pg, start + i))
-
-        driver = Driver(engine, max_prefill_tokens=path.max_prefill_tokens)
-        params = SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True)
-        groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
-        outputs: List[List[int]] = []
         for group in groups:
-            offset = group[0]
-            res = driver.generate([prompts[i] for i in group], params,
-                                  forced=None if forced is None else [forced[i] for i in group],
-                                  prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None,
-                                  on_logits=on_logits)
+            args = dict(forced=None if forced is None else [forced[i] for i in group],
+                        prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None)
+            if engine is not None:
+                res = Driver(engine, max_prefill_tokens=path.max_prefill_tokens).generate(
+                    [prompts[i] for i in group], params, on_logits=lambda uid, pos, lp, base=group[0]:
+                    record(base + uid, pos, lp), **args)
+            else:
+                from harness.tp import TPRun, tp_generate
+
+                out = tp_generate(TPRun(str(zoo.path(model)), [prompts[i] for i in group], params, engine_kwargs=kw,
+                                        record_logits=True, driver_kwargs={"max_prefill_tokens": path.max_prefill_tokens},
+                                        **args), tp)
+                for uid, logits in out.logits.items():
+                    record(group[0] + uid, 0, torch.log_softmax(logits, dim=-1))
+                res = out.results
             outputs += [r.output_ids for r in res]
         return stats, outputs
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
 
 
 def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], outputs: List[List[int]],
@@ -197,17 +208,17 @@ def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], out
 
 
 def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
-               golden_root: Path = G.GOLDEN_DIR) -> ParityResult:
+               golden_root: Path = G.GOLDEN_DIR, tp: int = 1) -> ParityResult:
     """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
     gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     tol = tolerance(gs, dtype)
-    result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"])
+    result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"], tp=tp)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     for path in PATHS:
         if (paths and path.name not in paths) or not path.applies_to(device):
             continue
         logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
-        stats, outputs = run_path(path, model, device, dtype, gs)
+        stats, outputs = run_path(path, model, device, dtype, gs, tp)
         was_passing = result.passed
         result.prompts += evaluate(path, gs, stats, outputs, tol)
         if was_passing and not result.passed:
@@ -223,7 +234,7 @@ def _cmd(args: argparse.Namespace) -> int:
     for model in models:
         for dtype in dtypes:
             try:
-                result = run_parity(model, args.device, dtype, args.path)
+                result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
             except G.GoldenError as e:
                 print(f"REFUSED {model} {args.device} {dtype}: {e}", file=sys.stderr)
                 failed = True
@@ -243,6 +254,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", action="append", choices=list(FLOOR), help="default: float32")
     p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on cpu, NCCL on cuda)")
     p.add_argument("--no-report", action="store_true", help="print only; leave reports/parity untouched")
     p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
     p.set_defaults(func=_cmd)

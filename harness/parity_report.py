@@ -42,7 +42,8 @@ def summary_rows(result: "ParityResult") -> List[Dict[str, Any]]:
 
 def write_report(result: "ParityResult", write_files: bool = True) -> str:
     """Write the markdown and JSON reports; return the terminal summary."""
-    head = (f"parity {result.model} on {result.device} in {result.dtype}: "
+    tp = f" with TP={result.tp}" if result.tp > 1 else ""
+    head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
             f"floor))")
     summary = text_table(summary_rows(result))
@@ -55,10 +56,11 @@ def write_report(result: "ParityResult", write_files: bool = True) -> str:
         return text
     from harness.parity import __doc__ as rule
 
-    prov = provenance(result.device, model=result.model, dtype=result.dtype)
-    out = REPORTS_DIR / "parity" / result.model / f"{result.device.split(':')[0]}-{result.dtype}"
+    prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
+    out = REPORTS_DIR / "parity" / result.model / (f"{result.device.split(':')[0]}-{result.dtype}"
+                                                  + (f"-tp{result.tp}" if result.tp > 1 else ""))
     paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
-    md = (f"# Parity: {result.model}, {result.device}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
+    md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
           f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
           f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], COLUMNS)}\n"

@@ -56,3 +56,9 @@ def test_planted_bug_is_caught(monkeypatch, bug):
     monkeypatch.setattr(cls, name, fn)
     result = run_parity("tiny-qwen3", paths=["batch"])
     assert not result.passed
+
+
+def test_tensor_parallel_engine_matches_committed_golden():
+    """TP=2 over gloo (two processes) against the same golden as TP=1: `python -m harness parity --tp 2`."""
+    result = run_parity("tiny-qwen3", paths=["batch"], tp=2)
+    assert result.passed, write_report(result, write_files=False)
