@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -51,7 +51,6 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     mm = statistics.median(timed(lambda: a @ b, device, repeats=10))
-    del src, dst, a, b
     return Limits(bandwidth=2 * n_bytes / copy, matmul_flops=2 * n ** 3 / mm)
 
 

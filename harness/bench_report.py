@@ -108,7 +108,7 @@ def write_bench_report(result: Dict[str, Any]) -> str:
           f"\n## Provenance\n{provenance_markdown(prov)}")
     (out / "summary.md").write_text(md)
     lines = [f"bench on {result['device']}: {lim['bandwidth'] / 1e9:.1f} GB/s, {lim['matmul_flops'] / 1e12:.2f} TFLOP/s"]
-    lines += [f"  {t['model']}: {t['target']}: {t['reached']} ({'met' if t['met'] is True else t['met'] if t['met'] == '-' else 'NOT met'})"
-              for t in tgt]
+    verdict = {True: "met", False: "NOT met", "-": "-"}
+    lines += [f"  {t['model']}: {t['target']}: {t['reached']} ({verdict[t['met']]})" for t in tgt]
     lines.append(f"report: {out / 'summary.md'}")
     return "\n".join(lines)

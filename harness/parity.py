@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -260,4 +260,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd)
 
 
-__all__ = ["ParityResult", "PromptResult", "run_parity", "tolerance", "asdict"]
+__all__ = ["ParityResult", "PromptResult", "run_parity", "tolerance"]
