@@ -229,7 +229,7 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
 
 def _cmd(args: argparse.Namespace) -> int:
     models = args.model or list(G.GOLDEN_MODELS)
-    dtypes = args.dtype or ["float32"]
+    dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
     failed = False
     for model in models:
         for dtype in dtypes:
@@ -252,7 +252,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("parity", help="compare the engine with the golden files along every engine path")
     p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(G.GOLDEN_MODELS)}")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", action="append", choices=list(FLOOR), help="default: float32")
+    p.add_argument("--dtype", action="append", choices=list(FLOOR),
+                   help="default: float32 on cpu; bfloat16 and float32 on cuda")
     p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on cpu, NCCL on cuda)")
     p.add_argument("--no-report", action="store_true", help="print only; leave reports/parity untouched")
