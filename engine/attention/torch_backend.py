@@ -57,8 +57,15 @@ class TorchBackend(AttentionBackend):
         md: TorchAttnMetadata = batch.attn_metadata
         n, hq, d = q.shape
         hkv = k.shape[1]
-        keys = kv_cache.k_cache(layer_id).view(-1, hkv, d)[md.kv_slots].transpose(1, 2)  # [B, Hkv, Lk, D]
-        values = kv_cache.v_cache(layer_id).view(-1, hkv, d)[md.kv_slots].transpose(1, 2)
+        bsz, lk = md.kv_slots.shape
+        slots = md.kv_slots.flatten()  # index_select: far cheaper than advanced indexing on a CPU
+        keys = kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, slots).view(bsz, lk, hkv, d)
+        values = kv_cache.v_cache(layer_id).view(-1, hkv, d).index_select(0, slots).view(bsz, lk, hkv, d)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
+        if batch.is_decode:  # one query per request, already in order: no gather, no scatter back
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=md.mask,
+                                                 enable_gqa=hq != hkv)
+            return out.reshape(n, hq * d)
         queries = q[md.q_index].transpose(1, 2)  # [B, Hq, Lq, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=md.mask, enable_gqa=hq != hkv)
         return out.transpose(1, 2)[md.q_valid].reshape(n, hq * d)  # back to packed [N, Hq * D]
