@@ -106,7 +106,7 @@ class Driver:
         plist = list(params) if isinstance(params, Sequence) else [params] * n
         if len(plist) != n or (forced is not None and len(forced) != n):
             raise ValueError("prompts, params and forced must have the same length")
-        waiting: Deque[_Running | tuple] = deque(
+        waiting: Deque[tuple] = deque(
             (uid, list(map(int, prompts[uid])), plist[uid], None if forced is None else list(forced[uid]),
              0 if prefix_lens is None else prefix_lens[uid]) for uid in range(n))
         for uid, prompt, p, f, _ in waiting:
@@ -140,6 +140,10 @@ class Driver:
         if need > self.engine.max_seq_len:
             raise ValueError(f"request {uid}: prompt {prompt_len} + max_tokens {max_tokens} exceeds {limit}; "
                              "lower max_tokens or raise max_seq_len_override / the KV pool")
+        if prompt_len > self.engine.config.max_forward_len:  # a prompt over the budget is admitted alone, up to this
+            raise ValueError(f"request {uid}: prompt of {prompt_len} tokens exceeds the engine's max_forward_len "
+                             f"{self.engine.config.max_forward_len} (prefills are not chunked); raise "
+                             "EngineConfig.max_prefill_tokens")
         if -(-need // self.page_size) > self.pages.num_pages:
             raise ValueError(f"request {uid}: needs {need} KV slots but the pool holds only "
                              f"{self.pages.num_pages * self.page_size}; raise num_page_override or memory_ratio")

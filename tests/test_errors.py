@@ -100,3 +100,12 @@ def test_request_larger_than_the_pool():
             Driver(eng).generate([[1] * 10], SamplingParams(max_tokens=10))
     finally:
         eng.shutdown()
+
+
+def test_prompt_over_max_forward_len():
+    eng = Engine(config(zoo.path("tiny-qwen3"), max_prefill_tokens=16))
+    try:
+        with pytest.raises(ValueError, match="prompt of 20 tokens exceeds the engine's max_forward_len 16"):
+            Driver(eng).generate([[1] * 20], SamplingParams(max_tokens=1))
+    finally:
+        eng.shutdown()
