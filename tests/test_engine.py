@@ -101,3 +101,31 @@ def test_two_engines_one_after_another(model_name, make_engine):
     first.shutdown()
     second = make_engine()  # starts clean: shutdown (and the failed start above) left no global state
     assert second.num_pages == 2048
+
+
+def test_qwen2_with_qkv_bias_matches_hf(tmp_path):
+    """Qwen2 (bias on q/k/v, no q/k norm) through the same decoder: a small random model made here."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine import EngineConfig
+    from engine.distributed import DistributedInfo
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.5, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    hf = Qwen2ForCausalLM(cfg).eval()
+    for layer in hf.model.layers:  # HF zero-initializes biases: make them matter
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    hf.save_pretrained(tmp_path)
+    engine = Engine(EngineConfig(model_path=str(tmp_path), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
+                                 device="cpu", num_page_override=2048, max_seq_len_override=512))
+    try:
+        ids = [[5, 17, 300, 42, 7, 99], [1, 2, 3]]
+        logits = prefill_logits(engine, ids)
+        with torch.no_grad():
+            ref = torch.cat([hf(torch.tensor([i])).logits[0] for i in ids])
+        assert (logits - ref).abs().max().item() < REL_TOL * ref.abs().max().item()
+    finally:
+        engine.shutdown()
