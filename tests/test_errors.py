@@ -21,8 +21,10 @@ def config(path, **kw) -> EngineConfig:
 
 
 @pytest.fixture
-def engine():
-    eng = Engine(config(zoo.path("tiny-qwen3")))
+def engine(request: pytest.FixtureRequest):
+    """tiny-qwen3 on the CPU; a test's `engine_kw` mark overrides config fields."""
+    mark = request.node.get_closest_marker("engine_kw")
+    eng = Engine(config(zoo.path("tiny-qwen3"), **(mark.kwargs if mark else {})))
     yield eng
     eng.shutdown()
 
@@ -93,19 +95,13 @@ def test_invalid_engine_config():
         config(zoo.path("tiny-qwen3"), page_size=0)
 
 
-def test_request_larger_than_the_pool():
-    eng = Engine(config(zoo.path("tiny-qwen3"), num_page_override=8))
-    try:
-        with pytest.raises(ValueError, match="exceeds max_seq_len 8 .* the KV pool's 8 tokens"):
-            Driver(eng).generate([[1] * 10], SamplingParams(max_tokens=10))
-    finally:
-        eng.shutdown()
+@pytest.mark.engine_kw(num_page_override=8)
+def test_request_larger_than_the_pool(engine):
+    with pytest.raises(ValueError, match="exceeds max_seq_len 8 .* the KV pool's 8 tokens"):
+        Driver(engine).generate([[1] * 10], SamplingParams(max_tokens=10))
 
 
-def test_prompt_over_max_forward_len():
-    eng = Engine(config(zoo.path("tiny-qwen3"), max_prefill_tokens=16))
-    try:
-        with pytest.raises(ValueError, match="prompt of 20 tokens exceeds the engine's max_forward_len 16"):
-            Driver(eng).generate([[1] * 20], SamplingParams(max_tokens=1))
-    finally:
-        eng.shutdown()
+@pytest.mark.engine_kw(max_prefill_tokens=16)
+def test_prompt_over_max_forward_len(engine):
+    with pytest.raises(ValueError, match="prompt of 20 tokens exceeds the engine's max_forward_len 16"):
+        Driver(engine).generate([[1] * 20], SamplingParams(max_tokens=1))
