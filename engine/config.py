@@ -25,6 +25,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda:<rank> with a GPU, cpu otherwise
     max_running_req: int = 256
     attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), torch otherwise
+    ops_backend: str = "auto"  # norms, RoPE, activations: auto = FlashInfer's fused kernels on CUDA (half precision)
     moe_backend: str = "auto"
     cuda_graph_bs: List[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to cuda_graph_max_bs
     cuda_graph_max_bs: int | None = None  # None: min(max_running_req, 256); 0 disables graphs
@@ -37,6 +38,7 @@ class EngineConfig:
     max_seq_len_override: int | None = None
     num_page_override: int | None = None
     max_prefill_tokens: int | None = None  # most tokens one forward may carry (None: max_seq_len); sizes the reserve
+    seed: int = 42  # torch's seed and the sampler's: requests without a seed of their own draw from it
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -24,6 +24,7 @@ class SamplingParams:
     min_p: float = 0.0
     ignore_eos: bool = False
     max_tokens: int = 1024
+    seed: int | None = None  # a request with a seed draws the same tokens from the same prompt in any batch
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
@@ -34,6 +35,9 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -95,7 +99,7 @@ class Batch:
     # Filled by the caller (scheduler or harness driver) before forward_batch:
     input_ids: torch.Tensor = field(init=False)  # [num_tokens] int32, the packed extend tokens
     positions: torch.Tensor = field(init=False)  # [num_tokens] int32
-    out_loc: torch.Tensor = field(init=False)  # [num_tokens] int32, KV slot each token writes
+    out_loc: torch.Tensor = field(init=False)  # [num_tokens] int64 (int32 is converted), KV slot each token writes
     # Filled by GraphRunner.pad_batch and the attention backend:
     padded_reqs: List[Req] = field(init=False)
     attn_metadata: Any = field(init=False, default=None)

@@ -17,6 +17,7 @@ from engine.distributed import (destroy_process_groups, div_even, init_process_g
                                 tp_broadcast, tp_min_over_ranks)
 from engine.graph import GraphRunner
 from engine.kvcache import create_kvcache_pool
+from engine.layers.ops import create_ops, resolve_ops_backend
 from engine.memory import MemoryPlan, plan_num_pages
 from engine.models import create_model, dummy_state_dict, load_weight_state_dict
 from engine.models.decoder import heads_per_rank
@@ -52,7 +53,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(max(1, physical_cores() // config.tp_info.size))
-        torch.manual_seed(42)
+        torch.manual_seed(config.seed)
         self.stream = create_stream(self.device)
         set_stream(self.stream)
         self.dtype = config.dtype
@@ -83,7 +84,7 @@ class Engine:
         # the attention backend (reads the pool, so it comes after it) and the sampler
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(
             config.attention_backend, config.model_config, self.num_qo_heads, self.num_kv_heads, self.device, self.dtype)
-        self.sampler = Sampler(self.device, config.model_config.vocab_size)
+        self.sampler = Sampler(self.device, config.model_config.vocab_size, seed=config.seed)
 
         # the dummy request and CUDA graphs (capturing runs the model, so it comes last)
         self.dummy_req = Req(input_ids=torch.tensor([0], dtype=torch.int32), table_idx=config.max_running_req,
@@ -105,7 +106,8 @@ class Engine:
 
     def _load_model(self, config: EngineConfig) -> torch.nn.Module:
         with torch.device("meta"):
-            model = create_model(config.model_config, config.max_seq_len, self.device, self.dtype)
+            model = create_model(config.model_config, config.max_seq_len, self.device, self.dtype,
+                                 create_ops(config.ops_backend))
         if config.use_dummy_weight:
             state = dummy_state_dict(model, self.device, self.dtype)
         else:
@@ -142,6 +144,8 @@ class Engine:
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         if batch.is_prefill:
             self._check_prefill(batch)
+        if batch.out_loc.dtype != torch.int64:  # the pool's index_copy_ takes int64 slots
+            batch.out_loc = batch.out_loc.long()
         with self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
                 logits = self.graph_runner.replay(batch)
@@ -212,11 +216,12 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
     backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
+    ops = resolve_ops_backend(config.ops_backend, torch.device(device), config.dtype)
     graph_bs: List[int] = []
     if device.startswith("cuda") and backend == "flashinfer":
         max_bs = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else min(config.max_running_req, 256)
         graph_bs = config.cuda_graph_bs or [b for b in [1, 2, 4] + list(range(8, max_bs + 1, 8)) if b <= max_bs]
         if any(b > config.max_running_req for b in graph_bs):
             raise ValueError(f"cuda_graph_bs {graph_bs} exceeds max_running_req {config.max_running_req}")
-    return dataclasses.replace(config, device=device, attention_backend=backend, cuda_graph_bs=graph_bs,
-                               cuda_graph_max_bs=max(graph_bs, default=0))
+    return dataclasses.replace(config, device=device, attention_backend=backend, ops_backend=ops,
+                               cuda_graph_bs=graph_bs, cuda_graph_max_bs=max(graph_bs, default=0))

@@ -35,7 +35,7 @@ class GraphRunner:
         self.dummy_slot = int(get_global_ctx().page_table[dummy_req.table_idx, 0])
         self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.out_loc = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self._capture(stream, model, attn_backend)
 
     @property

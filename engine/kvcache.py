@@ -24,10 +24,10 @@ class KVCachePool:
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self._kv[1, layer_id]
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        """k, v [N, Hkv, D] written at slots out_loc [N]."""
-        self._kv[0, layer_id].view(-1, *k.shape[1:])[out_loc] = k
-        self._kv[1, layer_id].view(-1, *v.shape[1:])[out_loc] = v
+    def store_kv(self, kv: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+        """kv [N, 2, Hkv, D] (K and V, any strides) written at slots out_loc [N] int64: one kernel for both."""
+        pool = self._kv[:, layer_id].view(2, -1, *kv.shape[2:])  # [2, slots, Hkv, D]
+        pool.index_copy_(1, out_loc, kv.transpose(0, 1))
 
 
 def create_kvcache_pool(model_config, num_pages: int, page_size: int, num_kv_heads: int, device: torch.device,

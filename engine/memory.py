@@ -88,7 +88,7 @@ def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
             n = sum(r.extend_len for r in reqs)
             batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
             batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
-            batch.out_loc = torch.arange(n, dtype=torch.int32, device=device)
+            batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
             ctx.attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
                 engine.model.forward()

@@ -1,8 +1,10 @@
 """python -m harness bench: throughput and latency of the engine beside HF generate and the hardware's limit.
 
-Every figure comes from this one run: the engine (through the driver, host work included, synchronized), HF
-transformers on the same model, dtype and workload, and the limit (a large copy for bandwidth, a large matmul for
-FLOP/s) measured on the same device. Writes reports/bench/<device>/: bench.csv, bench.json, summary.md, *.png.
+Every figure comes from this one run: the engine (through the driver, host work included), HF transformers on the
+same model, dtype and workload (eager, and on CUDA with a static cache compiled by transformers), and the limit (a
+large copy for bandwidth, a large matmul for FLOP/s) measured on the same device. On CUDA each decode batch size is
+also profiled: kernels per step, the graph replay's GPU time and the host's time by part, which name the bound.
+Writes bench.csv, bench.json, summary.md and plots under the report folder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.bench_limits import Limits, ModelCost, measure_limits, model_cost
+from harness.bench_profile import bound, host_parts, profile_replay
 from harness.bench_report import write_bench_report
 from harness.bench_workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
                                      hf_offline, hf_prefill, median, offline_workload, spread)
@@ -58,27 +61,41 @@ def _hf(model: str, device: str, dtype: str) -> Any:
     return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch_dtype).to(device).eval()
 
 
-def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_hf: bool) -> List[Dict[str, Any]]:
+def _decode_rows(model: str, runner: str, driver: Driver, bs: int, ctx: int, spec: BenchSpec, vocab: int,
+                 cost: ModelCost, limits: Limits, workload: str = "decode") -> tuple[Dict[str, Any], List]:
+    records = engine_decode(driver, bs, ctx, spec.decode_steps, vocab)
+    row = _row(model, runner, workload, bs, ctx, [r.seconds for r in records], bs, cost, limits,
+               (bs, bs * ctx, bs * (ctx + 1)))
+    return row, records
+
+
+def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_hf: bool) -> tuple[List, List]:
+    """(rows, decode profiles) of one model."""
     dtype = DTYPES[device.split(":")[0]]
     rows: List[Dict[str, Any]] = []
+    profiles: List[Dict[str, Any]] = []
     prompts, outs = offline_workload(*spec.offline)
     n_hf, cap = spec.hf_offline
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
-    variants = [("engine", True)] + ([("engine-eager", False)] if device.startswith("cuda") else [])
-    for runner, graphs in variants:
+    on_gpu = device.startswith("cuda")
+    for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu else []):
         engine = _engine(model, device, dtype, spec, graphs)
         cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
         driver = Driver(engine, max_prefill_tokens=8192)
         try:
             for bs in tqdm(spec.decode_bs, desc=f"{model} {runner} decode vs batch"):
-                secs = engine_decode(driver, bs, spec.decode_ctx, spec.decode_steps, vocab)
-                rows.append(_row(model, runner, "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
-                                 (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))))
+                row, records = _decode_rows(model, runner, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)
+                rows.append(row)
+                if on_gpu:
+                    profiles.append(_profile(model, runner, engine, bs, records))
             for ctx in tqdm(spec.latency_ctx, desc=f"{model} {runner} decode vs context"):
-                secs = engine_decode(driver, 1, ctx, spec.decode_steps, vocab)
-                rows.append(_row(model, runner, "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)))
+                rows.append(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits, "decode_ctx")[0])
             if runner != "engine":
                 continue
+            simple = Driver(engine, max_prefill_tokens=8192, overlap=False)
+            for bs in tqdm(spec.simple_bs, desc=f"{model} simple loop (no overlap) decode"):
+                rows.append(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab, cost,
+                                         limits)[0])
             for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill"):
                 secs = engine_prefill(driver, n, vocab, spec.repeats)
                 rows.append(_row(model, runner, "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
@@ -89,7 +106,21 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_h
             engine.shutdown()
     if with_hf:
         rows += _bench_hf(model, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
-    return rows
+    return rows, profiles
+
+
+def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) -> Dict[str, Any]:
+    host = host_parts(records)
+    replay = profile_replay(engine, bs) if runner == "engine" else None
+    layers = engine.config.model_config.num_layers
+    out = {"model": model, "runner": runner, "batch_size": bs, "step_s": host["period"],
+           **{f"host_{k}_s": v for k, v in host.items() if k != "period"}, "bound": bound(host, replay and
+                                                                                          replay.replay_s)}
+    if replay is not None:
+        out.update(replay_s=replay.replay_s, replay_p10_s=replay.replay_p10_s, replay_p90_s=replay.replay_p90_s,
+                   kernels_per_step=replay.kernels_per_step, kernels_per_layer=replay.kernels_per_step / layers,
+                   copies_per_step=replay.copies_per_step, top_kernels=replay.top_kernels)
+    return out
 
 
 def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, limits: Limits) -> Dict[str, Any]:
@@ -108,13 +139,14 @@ def _bench_hf(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limi
               sub_prompts: List[List[int]], sub_outs: List[int]) -> List[Dict[str, Any]]:
     hf, dev = _hf(model, device, dtype), torch.device(device)
     rows = []
-    for bs in tqdm(spec.hf_decode_bs, desc=f"{model} HF decode"):
-        secs = hf_decode(hf, bs, spec.decode_ctx, spec.decode_steps, vocab, dev)
-        rows.append(_row(model, "hf", "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
-                         (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))))
-    secs = hf_decode(hf, 1, spec.latency_ctx[-1], spec.decode_steps, vocab, dev)
-    rows.append(_row(model, "hf", "decode_ctx", 1, spec.latency_ctx[-1], secs, 1, cost, limits,
-                     (1, spec.latency_ctx[-1], spec.latency_ctx[-1] + 1)))
+    for runner, sizes, static in (("hf", spec.hf_decode_bs, False), ("hf-static", spec.hf_static_bs, True)):
+        for bs in tqdm(sizes, desc=f"{model} {runner} decode"):
+            secs, warmup = hf_decode(hf, bs, spec.decode_ctx, spec.decode_steps, vocab, dev, static=static)
+            rows.append(dict(_row(model, runner, "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
+                                  (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))), warmup_s=warmup))
+    ctx = spec.latency_ctx[-1]
+    secs, _ = hf_decode(hf, 1, ctx, spec.decode_steps, vocab, dev)
+    rows.append(_row(model, "hf", "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)))
     for n in tqdm(spec.prefill_lengths, desc=f"{model} HF prefill"):
         secs = hf_prefill(hf, n, vocab, spec.repeats, dev)
         rows.append(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
@@ -130,10 +162,12 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
     spec = SPECS[dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
-    rows = []
+    rows, profiles = [], []
     for model in models:
-        rows += bench_model(model, str(dev), spec, limits, with_hf)
-    return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows}
+        r, p = bench_model(model, str(dev), spec, limits, with_hf)
+        rows, profiles = rows + r, profiles + p
+    return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
+            "profiles": profiles}
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -149,5 +183,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--model", action="append", choices=list(zoo.MODELS),
                    help="default: smollm2-135m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF peer (its ratios are then missing)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
     p.set_defaults(func=_cmd)

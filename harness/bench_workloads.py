@@ -12,7 +12,7 @@ import torch
 
 from engine.core import SamplingParams
 from harness.bench_limits import timed
-from harness.driver import Driver
+from harness.driver import Driver, StepRecord
 
 
 @dataclass(frozen=True)
@@ -23,16 +23,19 @@ class BenchSpec:
     latency_ctx: List[int]  # decode step latency vs context, at batch 1
     decode_steps: int
     hf_decode_bs: List[int]
+    hf_static_bs: List[int]  # HF generate with a static cache, compiled (one compilation per batch size)
+    simple_bs: List[int]  # decode through the driver's simple loop too (no overlap), for comparison
     offline: Tuple[int, int, int]  # requests, min length, max length (inputs and outputs alike)
     hf_offline: Tuple[int, int]  # requests of the offline workload HF also runs, output length cap
     repeats: int
 
 
 SPECS: Dict[str, BenchSpec] = {
-    "cpu": BenchSpec([32, 64, 128, 256, 512], [1, 2, 4, 8, 16], 128, [32, 128, 512], 8, [1, 4, 16],
+    "cpu": BenchSpec([32, 64, 128, 256, 512], [1, 2, 4, 8, 16], 128, [32, 128, 512], 8, [1, 4, 16], [], [1],
                      (32, 32, 128), (8, 32), 5),
     "cuda": BenchSpec([128, 256, 512, 1024, 2048, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 512,
-                      [128, 512, 1024, 2048, 4096], 16, [1, 8, 64, 256], (256, 100, 1024), (32, 64), 5),
+                      [128, 512, 1024, 2048, 4096], 32, [1, 8, 64, 256], [1, 64], [1, 64, 256],
+                      (256, 100, 1024), (32, 64), 5),
 }
 
 
@@ -65,14 +68,14 @@ def engine_prefill(driver: Driver, length: int, vocab: int, repeats: int) -> Lis
     return out
 
 
-def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[float]:
+def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:
+    """The decode steps of bs requests at context ctx, all running (the first decode after a prefill left out)."""
     prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
     driver.steps.clear()
     driver.generate(prompts, params)
-    decode = [s.seconds for s in driver.steps if s.phase == "decode" and s.batch_size == bs]
-    return decode[1:]  # the first decode step after a prefill is warm-up
+    return [s for s in driver.steps if s.phase == "decode" and s.batch_size == bs][1:]
 
 
 @dataclass
@@ -101,23 +104,50 @@ def hf_prefill(model: Any, length: int, vocab: int, repeats: int, device: torch.
         return timed(lambda: model(ids, use_cache=False), device, repeats, warmup=1)
 
 
-def _hf_generate(model: Any, ids: torch.Tensor, new: int, mask: torch.Tensor | None = None) -> float:
+class StepTimer:
+    """A logits processor HF generate calls once per new token: synchronized timestamps, one step apart."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def _hf_generate(model: Any, ids: torch.Tensor, new: int, mask: torch.Tensor | None = None,
+                 timer: StepTimer | None = None, static: bool = False) -> float:
+    from transformers import LogitsProcessorList
+
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=[], pad_token_id=0)
+    if static:  # transformers compiles the forward for a static cache (torch.compile, CUDA graphs)
+        kw["cache_implementation"] = "static"
     if ids.is_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, **kw)
+        model.generate(ids, attention_mask=mask, logits_processor=LogitsProcessorList([timer] if timer else []), **kw)
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def hf_decode(model: Any, bs: int, ctx: int, steps: int, vocab: int, device: torch.device) -> List[float]:
-    """Per-step seconds of HF generate: (time for 1 + steps tokens - time for 1 token) / steps, twice."""
+def hf_decode(model: Any, bs: int, ctx: int, steps: int, vocab: int, device: torch.device, static: bool = False,
+              runs: int = 3) -> Tuple[List[float], float]:
+    """Per-step seconds of HF generate, one sample per decode step: the interval between consecutive calls of a
+    logits processor that synchronizes (generate itself synchronizes every step to check for finished sequences).
+    Returns (samples, warm-up seconds: the first generate, which compiles on the static path)."""
     ids = torch.tensor([random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)], device=device)
-    _hf_generate(model, ids, 2)  # warm-up
-    return [(_hf_generate(model, ids, steps + 1) - _hf_generate(model, ids, 1)) / steps for _ in range(2)]
+    warmup = _hf_generate(model, ids, steps + 1, static=static)
+    _hf_generate(model, ids, steps + 1, static=static)  # reduce-overhead mode records its CUDA graphs on a later call
+    samples: List[float] = []
+    for _ in range(runs):
+        timer = StepTimer(device)
+        _hf_generate(model, ids, steps + 1, timer=timer, static=static)
+        samples += [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
+    return samples, warmup
 
 
 def hf_offline(model: Any, prompts: List[List[int]], outputs: List[int], device: torch.device,

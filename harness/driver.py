@@ -1,8 +1,18 @@
-"""The driver: what the spec's hand-driven loop does, automated, with continuous batching.
+"""The driver: what the spec's hand-driven loop does, automated, with continuous batching and overlap scheduling.
 
-It owns request slots (page-table rows) and KV pages, builds each batch's positions / input_ids / out_loc,
-appends tokens, finishes requests at max_tokens or an EOS id, and returns their pages. Prefill batches run first
-whenever a waiting request fits; otherwise every running request decodes one token.
+It owns request slots (page-table rows), KV pages and a token pool on the device, builds each batch, finishes
+requests at max_tokens or an EOS id, and returns their pages. Prefill batches run first whenever a waiting request
+fits; otherwise every running request decodes one token.
+
+Two loops share every step function and differ only in order (mini-sglang's normal_loop / overlap_loop):
+- simple: schedule step N, launch it, wait for its tokens, process them;
+- overlap (the default): schedule and launch step N + 1 before processing step N, so the host's work (batch build,
+  attention planning, sampler preparation) runs while the GPU computes. The sampled tokens never visit the host on
+  their way to the next step: forward_batch's next_tokens_gpu is scattered into the token pool, and the next decode
+  gathers its input ids (and KV slots) from the pool and the page table on the device. The host reads step N's
+  tokens one step late; a request that hit EOS at step N has already been scheduled into step N + 1, whose token is
+  dropped (one wasted slot-step, never a wrong token). Requests that stop at max_tokens are known at schedule time,
+  so both loops build the same batches until a request stops at EOS.
 """
 
 from __future__ import annotations
@@ -13,11 +23,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Literal, Sequence
+from typing import Callable, Deque, Dict, List, Literal, Sequence, Tuple
 
+import numpy as np
 import torch
 
-from engine import Engine
+from engine import Engine, ForwardOutput
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import INVALID_TOKEN
 
@@ -25,17 +36,21 @@ logger = logging.getLogger(__name__)
 
 # (uid, first position of these rows, logprobs [rows, vocab] float32) -> None
 LogitsHook = Callable[[int, int, torch.Tensor], None]
+Phase = Literal["prefill", "decode"]
 
 
 @dataclass
 class StepRecord:
-    """One forward as the driver saw it: host preparation, forward, sampling, and the copy back, synchronized."""
+    """One forward as the driver saw it. Host seconds by part; `seconds` is the step's period: from its launch to
+    the next step's launch (or to the end of the run), which with overlap is the rate steps complete at."""
 
-    phase: Literal["prefill", "decode"]
+    phase: Phase
     batch_size: int
     num_tokens: int  # tokens fed to the model
     kv_tokens: int  # tokens of KV attended over (sum of device_len)
-    seconds: float
+    start: float = 0.0  # perf_counter at the start of its scheduling
+    seconds: float = 0.0
+    host: Dict[str, float] = field(default_factory=dict)  # build, plan, sample_prep, launch, wait, process
 
 
 @dataclass
@@ -46,7 +61,7 @@ class GenResult:
     finish_reason: Literal["length", "eos", ""] = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Running:
     req: Req
     result: GenResult
@@ -54,6 +69,19 @@ class _Running:
     forced: List[int] | None
     max_tokens: int
     prefix_len: int = 0  # > 0: the prompt's first prefix_len tokens are prefilled on their own first
+    launched: int = 0  # forwards launched that sample one of its tokens
+
+
+@dataclass
+class _Step:
+    """A launched forward and what processing it needs."""
+
+    phase: Phase
+    members: List[_Running]  # the requests whose sampled token this step produces
+    spans: List[Tuple[int, int, int]]  # (uid, first position, rows) of the logits handed to on_logits
+    record: StepRecord
+    batch: Batch
+    out: ForwardOutput | None = None
 
 
 class PageAllocator:
@@ -83,13 +111,17 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
 
 
 class Driver:
-    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096) -> None:
+    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True) -> None:
         self.engine = engine
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
+        self.overlap = overlap
         self.page_size = engine.config.page_size
         self.pages = PageAllocator(engine.num_pages)
         self.free_rows: Deque[int] = deque(range(engine.config.max_running_req))
-        self.row_slots: Dict[int, torch.Tensor] = {}  # host copy of each occupied page-table row
+        self.row_pages: Dict[int, np.ndarray] = {}  # each occupied row's pages (host), for prefill slots
+        # each row's tokens by position, on the device: a decode step's input ids come from here
+        self.token_pool = torch.zeros_like(engine.page_table)
+        self.pin = engine.device.type == "cuda"
         self.steps: List[StepRecord] = []  # every forward, for benchmarks
 
     @torch.inference_mode()
@@ -113,18 +145,21 @@ class Driver:
             self._check_fits(uid, len(prompt), len(f) if f is not None else p.max_tokens)
         results: Dict[int, GenResult] = {}
         running: List[_Running] = []
-        while waiting or running:
-            admitted = self._admit(waiting)
-            if admitted:
-                self._prefill(admitted, on_logits)
-                running += admitted
+        eos = frozenset(eos_ids)
+        first = len(self.steps)
+        pending: List[_Step] = []  # launched, not processed (overlap only)
+        while waiting or running or pending:
+            steps = self._schedule(waiting, running, on_logits)
+            for step in steps:
+                self._launch(step)
+            if self.overlap:
+                for step in pending:
+                    self._process(step, eos, results, on_logits)
+                pending = steps
             else:
-                self._step(running, "decode", on_logits)
-            self._finish(running, eos_ids)
-            for r in [r for r in running if r.result.finish_reason]:
-                running.remove(r)
-                self._release(r)
-                results[r.result.uid] = r.result
+                for step in steps:
+                    self._process(step, eos, results, on_logits)
+        self._close_records(first)
         self.pages.check_no_leak()
         return [results[uid] for uid in range(n)]
 
@@ -163,8 +198,8 @@ class Driver:
             row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
             slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size
                      + torch.arange(self.page_size, dtype=torch.int32)).flatten()
-            self.engine.page_table[row, : len(slots)] = slots.to(self.engine.device)
-            self.row_slots[row] = slots
+            self.engine.page_table[row, : len(slots)].copy_(self._to_device(slots))
+            self.row_pages[row] = np.array(pages, dtype=np.int64)
             req = Req(input_ids=torch.tensor(prompt, dtype=torch.int32), table_idx=row, cached_len=0,
                       output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
             admitted.append(_Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len))
@@ -172,73 +207,145 @@ class Driver:
 
     def _release(self, r: _Running) -> None:
         self.pages.free(r.pages)
-        del self.row_slots[r.req.table_idx]
+        del self.row_pages[r.req.table_idx]
         self.free_rows.append(r.req.table_idx)
 
-    # ---------------------------------------------------------------------------------------- stepping
-    def _prefill(self, admitted: List[_Running], on_logits: LogitsHook | None) -> None:
+    # ---------------------------------------------------------------------------------------- scheduling
+    def _schedule(self, waiting: Deque, running: List[_Running], on_logits: LogitsHook | None) -> List[_Step]:
+        """The next steps from what the host knows: requests whose last token is launched, or that were seen to
+        stop at EOS, give their slot and pages back first (stream order keeps their in-flight writes before any
+        later use); then a prefill of whatever fits, or a decode of the rest."""
+        t0 = time.perf_counter()
+        for r in [r for r in running if r.launched >= r.max_tokens or r.result.finish_reason]:
+            running.remove(r)
+            self._release(r)
+        admitted = self._admit(waiting)
+        if admitted:
+            running += admitted
+            return self._prefill_steps(admitted, on_logits, t0)
+        return [self._make_step("decode", running, on_logits, t0)] if running else []
+
+    def _prefill_steps(self, admitted: List[_Running], on_logits: LogitsHook | None, t0: float) -> List[_Step]:
+        steps = []
         with_prefix = [r for r in admitted if 0 < r.prefix_len < len(r.result.prompt_ids)]
         if with_prefix:
             # The prefix alone, as its own request in the same row; the real request then starts with it cached.
-            prefix_reqs = [Req(r.req.input_ids[: r.prefix_len], r.req.table_idx, 0, 1, r.req.uid,
-                               r.req.sampling_params, None) for r in with_prefix]
-            self._forward(prefix_reqs, "prefill", on_logits)
+            prefix = [Req(r.req.input_ids[: r.prefix_len], r.req.table_idx, 0, 1, r.req.uid, r.req.sampling_params,
+                          None) for r in with_prefix]
+            steps.append(self._make_step("prefill", prefix, on_logits, t0, members=[]))
             for r in with_prefix:
                 r.req = Req(r.req.input_ids, r.req.table_idx, r.prefix_len, r.max_tokens, r.req.uid,
                             r.req.sampling_params, None)
-        self._step(admitted, "prefill", on_logits)
+            t0 = time.perf_counter()
+        return steps + [self._make_step("prefill", admitted, on_logits, t0)]
 
-    def _step(self, running: List[_Running], phase: Literal["prefill", "decode"],
-              on_logits: LogitsHook | None) -> None:
-        tokens = self._forward([r.req for r in running], phase, on_logits)
-        for r, tok in zip(running, tokens):
+    def _make_step(self, phase: Phase, running: List, on_logits: LogitsHook | None, t0: float,
+                   members: List[_Running] | None = None) -> _Step:
+        reqs = [r if isinstance(r, Req) else r.req for r in running]
+        members = [r for r in running if isinstance(r, _Running)] if members is None else members
+        spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
+        record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0)
+        batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
+                      ("all" if phase == "prefill" else "last"))
+        self.engine.graph_runner.pad_batch(batch)
+        if phase == "decode":
+            self._decode_inputs(batch)
+        else:
+            self._prefill_inputs(batch)
+        record.host["build"] = time.perf_counter() - t0
+        return _Step(phase, members, spans, record, batch)
+
+    def _decode_inputs(self, batch: Batch) -> None:
+        """One host-to-device copy of (row, position) per request; ids and slots are gathered on the device."""
+        host = torch.tensor([[r.table_idx for r in batch.reqs], [r.device_len - 1 for r in batch.reqs]],
+                            dtype=torch.int64, pin_memory=self.pin)
+        rows, positions = host.to(self.engine.device, non_blocking=True).unbind(0)
+        batch.input_ids = self.token_pool[rows, positions]
+        batch.out_loc = self.engine.page_table[rows, positions].long()
+        batch.positions = positions.int()
+
+    def _prefill_inputs(self, batch: Batch) -> None:
+        ids, pos, slots = [], [], []
+        for r in batch.reqs:
+            span = np.arange(r.cached_len, r.device_len)
+            ids.append(r.input_ids[r.cached_len: r.device_len].numpy())
+            pos.append(span)
+            slots.append(self._slots(r.table_idx, span))
+        host = torch.from_numpy(np.stack([np.concatenate(ids).astype(np.int64), np.concatenate(pos),
+                                          np.concatenate(slots)]))
+        ids_d, pos_d, slots_d = self._to_device(host).unbind(0)
+        batch.input_ids, batch.positions, batch.out_loc = ids_d.int(), pos_d.int(), slots_d
+
+    def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
+        pages = self.row_pages[row]
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    # ---------------------------------------------------------------------------------------- launch / process
+    def _launch(self, step: _Step) -> None:
+        eng, batch, host = self.engine, step.batch, step.record.host
+        t = time.perf_counter()
+        eng.attn_backend.prepare_metadata(batch)
+        host["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        args = eng.sampler.prepare(batch)
+        host["sample_prep"] = time.perf_counter() - t
+        t = time.perf_counter()
+        step.out = eng.forward_batch(batch, args)
+        if step.members:  # the next decode reads each request's new token at its new last position
+            self._feed_back(step)
+        for r in step.members:
+            r.launched += 1
+        host["launch"] = time.perf_counter() - t
+        self.steps.append(step.record)
+
+    def _feed_back(self, step: _Step) -> None:
+        rows_pos = torch.tensor([[r.req.table_idx for r in step.members], [r.req.device_len - 1 for r in step.members]],
+                                dtype=torch.int64, pin_memory=self.pin)
+        rows, positions = rows_pos.to(self.engine.device, non_blocking=True).unbind(0)
+        self.token_pool[rows, positions] = step.out.next_tokens_gpu[: len(step.members)]
+        forced = [(i, r.forced[r.launched]) for i, r in enumerate(step.members) if r.forced is not None]
+        if forced:
+            idx, tokens = zip(*forced)
+            values = self._to_device(torch.tensor(tokens, dtype=torch.int32))
+            self.token_pool[rows[list(idx)], positions[list(idx)]] = values
+
+    def _process(self, step: _Step, eos: frozenset, results: Dict[int, GenResult],
+                 on_logits: LogitsHook | None) -> None:
+        t = time.perf_counter()
+        step.out.copy_done_event.synchronize()
+        step.record.host["wait"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if on_logits is not None:
+            logprobs = torch.log_softmax(step.out.logits, dim=-1)
+            stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
+            offset = 0
+            for uid, start, rows in step.spans:  # positions [cached_len, device_len) as they were before the forward
+                if uid not in stopped:
+                    on_logits(uid, start, logprobs[offset: offset + rows])
+                offset += rows
+        tokens = step.out.next_tokens_cpu.tolist()
+        for r, tok in zip(step.members, tokens):
+            if r.result.finish_reason:  # stopped at EOS a step ago: this was the wasted slot-step
+                continue
             if tok == INVALID_TOKEN:
                 raise RuntimeError(f"request {r.req.uid}: the logits had no finite maximum (NaN or all -inf) at "
-                                   f"position {r.req.device_len - 1}")
-            r.result.output_ids.append(tok)
-            step = len(r.result.output_ids) - 1
-            nxt = r.forced[step] if r.forced is not None else tok
-            r.req.append_host(torch.tensor([nxt], dtype=torch.int32))
-
-    def _forward(self, reqs: List[Req], phase: Literal["prefill", "decode"],
-                 on_logits: LogitsHook | None) -> List[int]:
-        eng = self.engine
-        t0 = time.perf_counter()
-        mode = "none" if on_logits is None else ("all" if phase == "prefill" else "last")
-        batch = Batch(reqs=reqs, phase=phase, return_logits=mode)
-        eng.graph_runner.pad_batch(batch)
-        dev = eng.device
-        if phase == "decode":  # one token each: plain lists and a single host-to-device copy
-            pos = [r.device_len - 1 for r in reqs]
-            host = torch.tensor([pos, [int(r.input_ids[-1]) for r in reqs],
-                                 [int(self.row_slots[r.table_idx][p]) for r, p in zip(reqs, pos)]],
-                                dtype=torch.int32, pin_memory=dev.type == "cuda")
-            batch.positions, batch.input_ids, batch.out_loc = host.to(dev, non_blocking=True).unbind(0)
-        else:
-            starts, ends = [r.cached_len for r in reqs], [r.device_len for r in reqs]
-            batch.positions = torch.cat([torch.arange(s, e, dtype=torch.int32) for s, e in zip(starts, ends)]).to(dev)
-            batch.input_ids = torch.cat([r.input_ids[s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
-            batch.out_loc = torch.cat([self.row_slots[r.table_idx][s:e] for r, s, e in zip(reqs, starts, ends)]).to(dev)
-        spans = [(r, r.cached_len, r.extend_len) for r in reqs]
-        eng.attn_backend.prepare_metadata(batch)
-        out = eng.forward_batch(batch, eng.sampler.prepare(batch))
-        if on_logits is not None:
-            logprobs = torch.log_softmax(out.logits, dim=-1)
-            offset = 0
-            for r, start, rows in spans:  # positions [cached_len, device_len) as they were before the forward
-                on_logits(r.uid, start, logprobs[offset: offset + rows])
-                offset += rows
-        out.copy_done_event.synchronize()
-        tokens = out.next_tokens_cpu.tolist()
-        self.steps.append(StepRecord(phase, len(reqs), sum(n for _, _, n in spans),
-                                     sum(s + n for _, s, n in spans), time.perf_counter() - t0))
-        return tokens
-
-    def _finish(self, running: List[_Running], eos_ids: Sequence[int]) -> None:
-        eos = set(eos_ids)
-        for r in running:
+                                   f"position {len(r.result.prompt_ids) + len(r.result.output_ids) - 1}")
             out = r.result.output_ids
+            out.append(tok)
             if len(out) >= r.max_tokens:
                 r.result.finish_reason = "length"
-            elif r.forced is None and not r.req.sampling_params.ignore_eos and out[-1] in eos:
+            elif r.forced is None and not r.req.sampling_params.ignore_eos and tok in eos:
                 r.result.finish_reason = "eos"
+            if r.result.finish_reason:
+                results[r.result.uid] = r.result
+        step.record.host["process"] = time.perf_counter() - t
+
+    # ---------------------------------------------------------------------------------------- helpers
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return (host.pin_memory() if self.pin else host).to(self.engine.device, non_blocking=True)
+
+    def _close_records(self, first: int) -> None:
+        end = time.perf_counter()
+        records = self.steps[first:]
+        for a, b in zip(records, records[1:] + [None]):
+            a.seconds = (b.start if b is not None else end) - a.start

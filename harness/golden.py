@@ -27,9 +27,12 @@ from harness.report import provenance
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
 PROMPTS_FILE = GOLDEN_DIR / "prompts.json"
+LONG_PROMPTS_FILE = GOLDEN_DIR / "prompts-long.json"  # longer than gemma3-270m's 512-token window
+LONG_PROMPT_MODELS = ("gemma3-270m", "tiny-gemma3")
+NO_CHAT_TEMPLATE = ("gemma3-270m",)  # its GGUF carries no chat template: the chat prompt is left out
 TOP_K = 64
 NEW_TOKENS = 32
-GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied")
+GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied", "tiny-gemma3", "gemma3-270m")
 # A golden made under other values of these is not comparable: refuse, and say how to regenerate.
 IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
 
@@ -63,12 +66,21 @@ def regenerate_command(model: str, device_type: str, dtype: str) -> str:
     return f"python -m harness golden --model {model} --device {device_type} --dtype {dtype}"
 
 
-def load_prompts() -> List[Dict[str, Any]]:
-    return json.loads(PROMPTS_FILE.read_text())["prompts"]
+def prompt_files(model: str | None = None) -> List[Path]:
+    """The prompt set of a model: the shared prompts, plus prompts longer than the window for sliding-window ones."""
+    return [PROMPTS_FILE] + ([LONG_PROMPTS_FILE] if model in LONG_PROMPT_MODELS else [])
 
 
-def prompt_set_sha256() -> str:
-    return hashlib.sha256(PROMPTS_FILE.read_bytes()).hexdigest()
+def load_prompts(model: str | None = None) -> List[Dict[str, Any]]:
+    prompts = [p for f in prompt_files(model) for p in json.loads(f.read_text())["prompts"]]
+    return [p for p in prompts if "chat" not in p] if model in NO_CHAT_TEMPLATE else prompts
+
+
+def prompt_set_sha256(model: str | None = None) -> str:
+    """The shared set's file hash; a model's own selection hashes the prompts it uses."""
+    if prompt_files(model) == [PROMPTS_FILE] and model not in NO_CHAT_TEMPLATE:
+        return hashlib.sha256(PROMPTS_FILE.read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps(load_prompts(model), sort_keys=True).encode()).hexdigest()
 
 
 def tokenize_prompts(tokenizer: Any, prompts: List[Dict[str, Any]]) -> List[List[int]]:
@@ -87,7 +99,7 @@ def expected_identity(model: str, device_type: str, dtype: str) -> Dict[str, str
     folder = zoo.path(model)
     return {"model": model, "dtype": dtype, "device_type": device_type,
             "weights_sha256": zoo.info(model)["weights_sha256"], "tokenizer_sha256": zoo.tokenizer_sha256(folder),
-            "prompt_set_sha256": prompt_set_sha256()}
+            "prompt_set_sha256": prompt_set_sha256(model)}
 
 
 # ------------------------------------------------------------------------------------------------ HF reference
@@ -103,20 +115,56 @@ def hf_model(model: str, device: str, dtype: torch.dtype, attn: str = "sdpa") ->
     return AutoModelForCausalLM.from_pretrained(zoo.path(model), dtype=dtype, attn_implementation=attn).to(device).eval()
 
 
+SPREAD_DEFINITION = ("per position of prompt + continuation, HF eager attention against HF sdpa on sdpa's top-K ids "
+                     "(the measure parity applies to the engine): max |logprob difference| ('err') and KL(sdpa || "
+                     "eager) with a rest bucket ('kl'); their distribution over every position of every prompt")
+
+
+def spread_summary(errs: List[float], kls: List[float]) -> Dict[str, Any]:
+    """Distribution of per-position errors and KLs: the statistics parity's half-precision gate compares."""
+    e, k = np.asarray(errs, dtype=np.float64), np.asarray(kls, dtype=np.float64)
+    return {"positions": int(e.size), **{f"{name}_{q}": float(np.quantile(x, v)) for name, x in (("err", e), ("kl", k))
+                                         for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+            "err_max": float(e.max()), "err_mean": float(e.mean()), "kl_max": float(k.max()),
+            "kl_mean": float(k.mean())}
+
+
+def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str) -> Dict[str, Any]:
+    """HF against itself: every sequence through sdpa and through eager attention, compared position by position
+    on sdpa's top-K ids with the engine's own measure (harness.parity.compare_row)."""
+    from harness.parity import compare_row
+
+    errs, kls = [], []
+    for seq in sequences:
+        full = torch.tensor([seq], device=device)
+        a = torch.log_softmax(sdpa(full).logits[0].float(), -1).cpu()
+        b = torch.log_softmax(eager(full).logits[0].float(), -1).cpu()
+        ids = a.topk(TOP_K, -1).indices
+        for pos in range(len(seq)):
+            st = compare_row(b[pos], ids[pos].numpy(), a[pos, ids[pos]].numpy())
+            errs.append(st.err)
+            kls.append(st.kl)
+    return spread_summary(errs, kls)
+
+
+def _spread_provenance(stats: Dict[str, Any]) -> Dict[str, Any]:
+    return {"hf_spread_max_abs_logprob": stats["err_max"], "hf_spread": stats,
+            "hf_spread_definition": SPREAD_DEFINITION}
+
+
 @torch.inference_mode()
 def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> GoldenSet:
     """Run HF (sdpa attention) greedily on every prompt; measure HF's own spread with eager attention."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(zoo.path(model))
-    prompts = load_prompts()
+    prompts = load_prompts(model)
     ids = tokenize_prompts(tok, prompts)
     hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
     # eos_token_id=[]: run all NEW_TOKENS steps; EOS handling is the driver's, tested apart
     gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True,
                return_dict_in_generate=True)
     out: List[PromptGolden] = []
-    spread = 0.0
     for p, pid in tqdm(list(zip(prompts, ids)), desc=f"golden {model} {device} {dtype}"):
         x = torch.tensor([pid], device=device)
         res = hf.generate(x, **gen)
@@ -125,21 +173,29 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
             raise RuntimeError(f"HF stopped after {len(tokens)} tokens on {p['name']!r}")
         prefill_ids, prefill_lp = _topk(hf(x).logits[0], TOP_K)
         decode_ids, decode_lp = _topk(torch.stack(res.logits)[:, 0], TOP_K)
-        # HF against itself: the same sequence through eager attention, compared on the golden's top-K ids.
-        full = res.sequences
-        a = torch.log_softmax(hf(full).logits[0].float(), -1)
-        b = torch.log_softmax(hf_eager(full).logits[0].float(), -1)
-        idx = a.topk(TOP_K, -1).indices
-        spread = max(spread, float((a.gather(-1, idx) - b.gather(-1, idx)).abs().max()))
         out.append(PromptGolden(p["name"], np.array(pid, dtype=np.int32), tokens.int().cpu().numpy(),
                                 prefill_ids, prefill_lp, decode_ids, decode_lp))
+    stats = hf_spread(hf, hf_eager, [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in out], device)
     dtype_name = str(dtype).removeprefix("torch.")
     prov = provenance(device, **expected_identity(model, device.split(":")[0], dtype_name),
-                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa",
-                      hf_spread_max_abs_logprob=spread,
-                      hf_spread_definition="max |logprob(sdpa) - logprob(eager)| over every position of prompt + "
-                                           "continuation, on sdpa's top-K ids, all prompts")
+                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", **_spread_provenance(stats))
     return GoldenSet(out, prov)
+
+
+@torch.inference_mode()
+def refresh_spread(model: str, device: str, dtype: torch.dtype, root: Path = GOLDEN_DIR) -> Dict[str, Any]:
+    """Measure HF's spread again on the committed golden's own sequences and rewrite only its provenance.json
+    (the golden's arrays stay as they are)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    gs = load_checked(model, device.split(":")[0], dtype_name, root)
+    hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
+    stats = hf_spread(hf, hf_eager, [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in gs.prompts],
+                      device)
+    folder = golden_dir(model, device.split(":")[0], dtype_name, root)
+    prov = dict(gs.provenance, **_spread_provenance(stats), hf_spread_measured=provenance(device)["date"])
+    prov["prompt_names"] = [p.name for p in gs.prompts]
+    (folder / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
+    return stats
 
 
 # ------------------------------------------------------------------------------------------------ file I/O
@@ -216,6 +272,12 @@ def _cmd(args: argparse.Namespace) -> int:
     status = 0
     for model in models:
         folder = golden_dir(model, args.device, args.dtype)
+        if args.refresh_spread:
+            stats = refresh_spread(model, args.device, dtype)
+            print(f"{model}: HF spread over {stats['positions']} positions: err p99 {stats['err_p99']:.3g}, max "
+                  f"{stats['err_max']:.3g}; KL mean {stats['kl_mean']:.3g}, p99 {stats['kl_p99']:.3g} "
+                  f"(written to {folder / 'provenance.json'})")
+            continue
         fresh = make_golden(model, args.device, dtype)
         if args.check:
             committed = load_checked(model, args.device, args.dtype)
@@ -235,5 +297,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(GOLDEN_MODELS)}")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--check", action="store_true", help="regenerate in memory and report drift from the committed files")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--check", action="store_true",
+                      help="regenerate in memory and report drift from the committed files")
+    what.add_argument("--refresh-spread", action="store_true",
+                      help="measure HF's sdpa-vs-eager spread again on the committed golden's sequences and rewrite "
+                           "only its provenance (the arrays stay)")
     p.set_defaults(func=_cmd)

@@ -3,12 +3,13 @@
 The specification it encodes, per row of logits:
   1. temperature 0, or top_k 1, is greedy: all mass on the argmax (the lowest id among equal maxima).
   2. p = softmax(logits / temperature), computed in float64 from the float32 logits.
-  3. rank the tokens by p, descending; equal probabilities rank by token id, lower first (a stable sort).
-  4. top-k (-1 = no limit) keeps the first k ranks; the kept mass is renormalized to 1.
-  5. top-p keeps a token when the renormalized mass ranked strictly ahead of it is < top_p, so the first rank
-     always survives and the token that crosses top_p is kept.
-  6. min_p keeps tokens with p >= max(p) * min_p, p being the full tempered distribution (before top-k).
-  7. the kept set is the intersection of 4-6; the result is p restricted to it, renormalized.
+  3. top-k (-1 = no limit) keeps every token whose probability is >= the k-th largest probability: every token tied
+     with the k-th stays. The kept mass is renormalized to 1.
+  4. top-p: ranking the kept tokens by renormalized probability, the crossing token is the first at which the
+     cumulative mass reaches top_p (>= top_p); top-p keeps every token whose probability is >= the crossing token's.
+     The crossing token and every token tied with it stay, so nothing depends on an order among equal probabilities.
+  5. min_p keeps tokens with p >= max(p) * min_p, p being the full tempered distribution (before top-k).
+  6. the kept set is the intersection of 3-5; the result is p restricted to it, renormalized.
 A row with a NaN or without a finite maximum has no distribution (the sampler must answer token -1).
 """
 
@@ -22,8 +23,9 @@ import numpy as np
 @dataclass(frozen=True)
 class Filtered:
     probs: np.ndarray | None  # [vocab] float64 summing to 1; None for an invalid row
-    # the smallest distance between a top-p or min_p comparison and its threshold: a float32 sampler may decide a
-    # comparison closer than ~1e-6 differently, so cases are built to keep this margin clear of it
+    # the smallest relative distance between a comparison the filters make and its threshold (the top-k boundary
+    # against the next lower probability, a tie block's cumulative mass against top_p, p / max(p) against min_p): a
+    # float32 sampler may decide a comparison closer than ~1e-6 differently, so cases keep this margin clear of it
     margin: float = float("inf")
 
 
@@ -45,18 +47,25 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = -
         one_hot[int(np.argmax(logits))] = 1.0  # np.argmax returns the first maximum: the lowest id
         return Filtered(one_hot)
     p = softmax64(logits, temperature)
-    order = np.argsort(-p, kind="stable")  # stable: equal probabilities keep id order, lower id first
-    ranked = p[order]
-    k = vocab if top_k == -1 else min(top_k, vocab)
-    in_top_k = np.arange(vocab) < k
-    renormed = np.where(in_top_k, ranked, 0.0) / ranked[:k].sum()
-    ahead = np.concatenate([[0.0], np.cumsum(renormed)[:-1]])  # mass ranked strictly ahead of each rank
-    keep_ranked = in_top_k & (ahead < top_p)
-    keep = np.zeros(vocab, dtype=bool)
-    keep[order] = keep_ranked
-    margins = [np.abs(ahead[in_top_k] - top_p).min()] if top_p < 1.0 else []
+    ranked = np.sort(p)[::-1]
+    margins = []
+    keep = np.ones(vocab, dtype=bool)
+    if top_k != -1 and top_k < vocab:
+        kth = ranked[top_k - 1]
+        keep &= p >= kth
+        below = ranked[ranked < kth]
+        if len(below) and below[0] > 0:
+            margins.append((kth - below[0]) / kth)
+    if top_p < 1.0:
+        q = p / p[keep].sum()  # the top-k-renormalized distribution
+        kept = np.sort(q[keep])[::-1]
+        mass = np.cumsum(kept)
+        crossing = min(int(np.searchsorted(mass, top_p, side="left")), len(kept) - 1)  # first mass >= top_p
+        keep &= q >= kept[crossing]
+        block_ends = np.flatnonzero(np.append(kept[1:] != kept[:-1], True))  # the last rank of each tie block
+        margins.append(np.abs(mass[block_ends] - top_p).min())
     if min_p > 0.0:
         keep &= p >= p.max() * min_p
         margins.append(np.abs(p / p.max() - min_p).min())
-    kept = np.where(keep, p, 0.0)
-    return Filtered(kept / kept.sum(), float(min(margins, default=np.inf)))
+    kept_p = np.where(keep, p, 0.0)
+    return Filtered(kept_p / kept_p.sum(), float(min(margins, default=np.inf)))

@@ -16,6 +16,7 @@ class ParityPath:
     one_at_a_time: bool = False
     prefix: bool = False  # prefill the first half of each prompt, then extend over it as a cached prefix
     attention_backend: str = "auto"
+    ops_backend: str = "auto"
     device_type: str = "any"  # "cuda": only on a GPU
 
     def applies_to(self, device: str) -> bool:
@@ -31,6 +32,8 @@ PATHS = (
     ParityPath("continuous", "3 slots, 64-token prefill budget: requests join while others decode, mixed prefill "
                "lengths; page_size 4", page_size=4, max_running_req=3, max_prefill_tokens=64),
     ParityPath("free", "free-running greedy generation (the engine's own tokens fed back)", forced=False),
-    ParityPath("torch-backend", "the torch reference attention backend on the GPU", attention_backend="torch",
-               device_type="cuda"),
+    ParityPath("torch-backend", "the torch reference on the GPU: torch attention and torch ops (HF's numerics)",
+               attention_backend="torch", ops_backend="torch", device_type="cuda"),
+    ParityPath("torch-ops", "FlashInfer attention with the torch ops instead of the fused kernels (on the GPU)",
+               ops_backend="torch", device_type="cuda"),
 )

@@ -24,8 +24,8 @@ from harness import oracle, report
 from harness.sampling_cases import Case, all_cases, describe
 from harness.sampling_stats import chi_square, detectable_tv, power_at, required_draws
 
-# (logits [rows, vocab] on the device, args, generator) -> tokens [rows]
-SampleFn = Callable[[torch.Tensor, BatchSamplingArgs, torch.Generator], torch.Tensor]
+# (logits [rows, vocab] on the device, args with one uniform per row) -> tokens [rows]
+SampleFn = Callable[[torch.Tensor, BatchSamplingArgs], torch.Tensor]
 
 MIN_MARGIN = 1e-5  # a float32 sampler may decide a threshold comparison closer than ~1e-6 differently
 CHUNK_ELEMENTS = 1 << 24  # logits elements per sample call: 64 MiB of float32 (the sort holds a few copies)
@@ -84,14 +84,19 @@ def _tile(args: BatchSamplingArgs, reps: int) -> BatchSamplingArgs:
 
 def draw(case: Case, n: int, device: torch.device, generator: torch.Generator,
          sample_fn: SampleFn | None = None) -> np.ndarray:
-    """n draws per row -> int64 [n, rows], drawn in large repeated batches."""
+    """n draws per row -> int64 [n, rows], drawn in large repeated batches. The sampler's draw is a deterministic
+    function of each row's uniform, so every repeated row gets a fresh uniform from the grid's own generator."""
     rows, vocab = case.logits.shape
-    sampler = Sampler(device, vocab, generator)
-    sample_fn = sample_fn or (lambda logits, args, gen: sampler.sample(logits, args))
+    sampler = Sampler(device, vocab)
+    sample_fn = sample_fn or sampler.sample
     reps = max(1, min(n, (CHUNK_ELEMENTS << (4 if device.type == "cuda" else 0)) // (rows * vocab)))
     args = _tile(sampler.prepare(make_batch(case.params)), reps)
     logits = torch.from_numpy(case.logits).to(device).repeat(reps, 1)
-    chunks = [sample_fn(logits, args, generator).view(reps, rows).cpu() for _ in range(-(-n // reps))]
+    chunks = []
+    for _ in range(-(-n // reps)):
+        if args.temperatures is not None:
+            args.uniforms = torch.rand(reps * rows, dtype=torch.float64, device=device, generator=generator)
+        chunks.append(sample_fn(logits, args).view(reps, rows).cpu())
     return torch.cat(chunks)[:n].numpy().astype(np.int64)
 
 
@@ -99,7 +104,7 @@ def _oracles(case: Case) -> List[oracle.Filtered]:
     out = [oracle.filtered_distribution(row, p.temperature, p.top_k, p.top_p, p.min_p)
            for row, p in zip(case.logits, case.params)]
     for i, f in enumerate(out):
-        if f.margin < MIN_MARGIN and not case.exact_boundary:
+        if f.margin < MIN_MARGIN:
             raise ValueError(f"case {case.name} row {i}: a threshold lies {f.margin:.1e} from the mass it is "
                              "compared with, too close for a float32 sampler to decide reliably; move it")
     return out

@@ -1,8 +1,8 @@
 """The sampling grid's cases: small hand-made vocabularies that put each rule on the spot, and real logits.
 
 Small rows use vocabularies whose ranking is not the id order (a sort or scatter slip shows), and keep every
-top-p / min_p threshold well clear of the mass it is compared with, except where a case says it sits on an exact
-binary boundary on purpose. Real rows come from SmolLM2-135M run by the engine itself, through the harness's
+top-p / min_p threshold well clear of the mass it is compared with; the tie cases put exact ties (equal float32
+logits) on the top-k and top-p boundaries, where every tied token must stay. Real rows come from SmolLM2-135M run by the engine itself, through the harness's
 driver (49152 tokens; computed on each run, never cached).
 """
 
@@ -28,7 +28,6 @@ class Case:
     what: str
     logits: np.ndarray  # [rows, vocab] float32
     params: Sequence[SamplingParams]
-    exact_boundary: bool = False  # a threshold sits on an exact binary boundary on purpose (no margin guard)
 
     def __post_init__(self) -> None:
         if self.logits.ndim != 2 or self.logits.shape[0] != len(self.params):
@@ -50,7 +49,7 @@ SPEC = [5.0, 4.0, 3.0, 0.0, 0.0, 0.0]
 TRAP = list(np.log([0.2, 0.4, 0.1, 0.3]))  # k=2, p=0.5: top-k then renormalize keeps 0.4 alone (0.4/0.7 >= 0.5)
 TIE_K = [0.0, 2.0, 1.0, 3.0, 1.0, -1.0, 1.0, 0.5, 1.0, -2.0]  # four-way tie at 1.0 (ids 2, 4, 6, 8) after ranks 3, 1
 TIE_P = [0.0, 2.0, 0.0, 2.0, -1.0, 2.0, 2.0, -3.0]  # four-way tie at 2.0 (ids 1, 3, 5, 6) holding 92% of the mass
-DYADIC = [NEG_INF, 0.0, 0.0, NEG_INF, 0.0, 0.0]  # four tokens of exactly 0.25: rank masses 0, .25, .5, .75 exactly
+DYADIC = [NEG_INF, 0.0, 0.0, NEG_INF, 0.0, 0.0]  # four tokens of exactly 0.25: cumulative masses .25, .5, .75, 1
 
 
 def _rows(*rows: Sequence[float]) -> np.ndarray:
@@ -86,12 +85,12 @@ def small_cases() -> List[Case]:
         Case("per-row", "every row its own logits and parameters",
              _rows(L12, L12B, list(reversed(L12)), L12B, [x * 0.5 for x in L12]),
              [SP(0.8, k=4), SP(1.2, p=0.85), SP(m=0.15), GREEDY, SP(0.6, k=7, p=0.9, m=0.02)]),
-        Case("tie-top-k", "a four-way tie straddles k: the lower ids are kept",
+        Case("tie-top-k", "a four-way tie straddles k: every tied token is kept",
              _rows(TIE_K, TIE_K, TIE_K), [SP(k=4), SP(0.5, k=3), SP(k=5, p=0.95)]),
-        Case("tie-top-p", "a four-way tie straddles top_p: the lower ids are kept",
+        Case("tie-top-p", "a four-way tie holds the top-p crossing token: every tied token is kept",
              _rows(TIE_P, TIE_P, TIE_P), [SP(p=0.6), SP(p=0.3), SP(k=3, p=0.9)]),
-        Case("top-p-exact", "top_p exactly on a rank's mass: that rank is dropped (mass ahead < p is strict)",
-             _rows(DYADIC, DYADIC, DYADIC), [SP(p=0.5), SP(p=0.75), SP(k=3, p=0.5)], exact_boundary=True),
+        Case("tie-exact-mass", "top_p exactly on a cumulative mass inside a tie, and k inside it: all four kept",
+             _rows(DYADIC, DYADIC, DYADIC), [SP(p=0.5), SP(p=0.75), SP(k=3, p=0.5)]),
         Case("small-temperature", "temperatures 2^-19, 2^-10 and 0.05 on finely spaced logits",
              _rows(_spaced(10.0, t19, [2, 0, 1, 3, 5, 4, 6, 8]), _spaced(0.0, t10, [0, 0.5, 1, 2, 3, 4, 1.5, 7]),
                    [1.0, 0.95, 0.9, 0.8, 0.5, 0.85, 0.2, 0.97]),

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
-from engine.core import Req, SamplingParams
+from engine.core import Batch, Req, SamplingParams
 from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.driver import Driver
@@ -27,21 +27,27 @@ def driver(request):
 
 @pytest.mark.parametrize("bs", [1, 4])
 def test_decode_step(benchmark, driver, bs):
-    """One decode step at context 128: host preparation, forward, sampling, copy back."""
+    """One decode step at context 128, as the spec drives the engine: batch fields, attention metadata, sampler
+    preparation, forward, sampling, the copy back."""
     eng = driver.engine
     reqs = []
     for row in range(bs):
         eng.page_table[row, :256] = torch.arange(row * 256, row * 256 + 256)
-        driver.row_slots[row] = torch.arange(row * 256, row * 256 + 256, dtype=torch.int32)
         reqs.append(Req(torch.arange(1, 130, dtype=torch.int32), row, 128, 64, row, SamplingParams(), None))
 
     def step() -> None:
         for r in reqs:  # the same position again: the step's cost, without the request growing
             r.cached_len, r.device_len = 128, 129
-        driver._forward(reqs, "decode", None)
+        batch = Batch(reqs=reqs, phase="decode")
+        eng.graph_runner.pad_batch(batch)
+        batch.positions = torch.full((bs,), 128, dtype=torch.int32)
+        batch.input_ids = torch.full((bs,), 7, dtype=torch.int32)
+        batch.out_loc = eng.page_table[torch.arange(bs), 128].long()
+        eng.attn_backend.prepare_metadata(batch)
+        out = eng.forward_batch(batch, eng.sampler.prepare(batch))
+        out.copy_done_event.synchronize()
 
     benchmark.pedantic(step, rounds=10, warmup_rounds=2)
-    driver.row_slots.clear()
 
 
 def test_prefill_128(benchmark, driver):

@@ -58,7 +58,7 @@ def test_pages_are_returned(engine):
     driver = Driver(engine)
     driver.generate(PROMPTS, SamplingParams(max_tokens=5))
     assert sorted(driver.pages.free_pages) == list(range(engine.num_pages))
-    assert len(driver.free_rows) == engine.config.max_running_req and not driver.row_slots
+    assert len(driver.free_rows) == engine.config.max_running_req and not driver.row_pages
 
 
 def test_leak_check_catches_a_leak():

@@ -26,27 +26,25 @@ def _decode_rotary_off_by_one(self, positions, q, k):
     return ROTARY(self, positions + int(get_global_ctx().batch.is_decode), q, k)
 
 
-def _kv_heads_swapped(self, k, v, out_loc, layer_id):
-    return STORE(self, k.flip(1), v.flip(1), out_loc, layer_id)
+def _kv_heads_swapped(self, kv, out_loc, layer_id):
+    return STORE(self, kv.flip(2), out_loc, layer_id)
 
 
-def _kv_written_one_slot_late(self, k, v, out_loc, layer_id):
-    return STORE(self, k, v, out_loc + 1, layer_id)
+def _kv_written_one_slot_late(self, kv, out_loc, layer_id):
+    return STORE(self, kv, out_loc + 1, layer_id)
 
 
 def _qk_norm_weight_ignored(self, x):
-    if x.shape[-1] != 64:  # only the per-head q/k norms (head_dim 64)
-        return NORM(self, x)
     h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+    x.copy_((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype))
 
 
-ROTARY, STORE, NORM = RotaryEmbedding.forward, KVCachePool.store_kv, RMSNorm.forward
+ROTARY, STORE = RotaryEmbedding.forward_, KVCachePool.store_kv
 PLANTED = {
-    "decode rotary position off by one": (RotaryEmbedding, "forward", _decode_rotary_off_by_one),
+    "decode rotary position off by one": (RotaryEmbedding, "forward_", _decode_rotary_off_by_one),
     "wrong KV head mapping": (KVCachePool, "store_kv", _kv_heads_swapped),
     "KV written one slot late": (KVCachePool, "store_kv", _kv_written_one_slot_late),
-    "q/k norm weight ignored": (RMSNorm, "forward", _qk_norm_weight_ignored),
+    "q/k norm weight ignored": (RMSNorm, "forward_heads_", _qk_norm_weight_ignored),
 }
 
 

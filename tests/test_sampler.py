@@ -21,7 +21,7 @@ SPEC_LOGITS = [5.0, 4.0, 3.0, 0.0, 0.0, 0.0]
 
 def draw(logits: torch.Tensor, params: Sequence[SamplingParams], reps: int, seed: int = 0) -> torch.Tensor:
     """reps draws per row in one call (the batch repeated) -> [reps, rows]."""
-    sampler = Sampler(CPU, logits.shape[1], torch.Generator().manual_seed(seed))
+    sampler = Sampler(CPU, logits.shape[1], seed=seed)
     args = sampler.prepare(make_batch(list(params) * reps))
     return sampler.sample(logits.repeat(reps, 1), args).view(reps, len(params))
 
@@ -55,9 +55,11 @@ def test_oracle_top_k_before_top_p_unlike_a_joint_filter() -> None:
 
 def test_oracle_tie_rules_and_invalid_rows() -> None:
     tie_k = filtered_distribution(np.array([0.0, 2.0, 1.0, 3.0, 1.0, 1.0]), 1.0, top_k=3).probs
-    assert np.flatnonzero(tie_k).tolist() == [1, 2, 3]  # of the tied ids 2, 4, 5 the lowest is kept
+    assert np.flatnonzero(tie_k).tolist() == [1, 2, 3, 4, 5]  # ids 2, 4, 5 tie with the 3rd: all stay
     quarter = filtered_distribution(np.array([-np.inf, 0.0, 0.0, 0.0, 0.0]), 1.0, top_p=0.5).probs
-    assert np.flatnonzero(quarter).tolist() == [1, 2]  # mass ahead of the third is exactly 0.5: not < 0.5
+    assert np.flatnonzero(quarter).tolist() == [1, 2, 3, 4]  # the crossing token ties with two more: all stay
+    half = filtered_distribution(np.log([0.125, 0.5, 0.25, 0.125]), 1.0, top_p=0.7).probs
+    assert np.flatnonzero(half).tolist() == [1, 2]  # 0.5 + 0.25 reaches 0.7: the crossing token stays, no more
     assert filtered_distribution(np.array([1.0, 3.0, 3.0]), 0.0).probs.tolist() == [0.0, 1.0, 0.0]
     assert filtered_distribution(np.array([1.0, np.nan]), 1.0).probs is None
     assert filtered_distribution(np.array([-np.inf, -np.inf]), 1.0).probs is None
@@ -131,5 +133,64 @@ def test_bad_rows_give_minus_one_and_leave_the_others_alone(bad: float, greedy: 
     with_bad = draw(torch.stack([good, bad_row, good.flip(0), good * 0.5]), params, reps=500, seed=3)
     replaced = draw(torch.stack([good, good * 2, good.flip(0), good * 0.5]), params, reps=500, seed=3)
     assert set(with_bad[:, 1].tolist()) == {-1}
-    # CPU multinomial spends the same randomness on every row, so the other rows' draws are identical
+    # each row's draw depends on its own logits and uniform only
     assert torch.equal(with_bad[:, [0, 2, 3]], replaced[:, [0, 2, 3]])
+
+
+# ------------------------------------------------------------------------------------------ ties, as HF keeps them
+def test_issue_example_top_k_keeps_every_tied_token() -> None:
+    """logits [3, 2, 2, 2, 1, 0], top_k 2: the 2nd largest ties with two more, so ids {0, 1, 2, 3} stay."""
+    draws = draw(torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]]), [SamplingParams(1.0, top_k=2)], reps=4000)
+    assert set(draws[:, 0].tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4, 6, 7])
+def test_top_k_support_equals_hf_top_k_warper_at_ties(top_k: int) -> None:
+    """The sampler, the oracle and HF's TopKLogitsWarper keep the same tokens when ties straddle k."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    gen = torch.Generator().manual_seed(top_k)
+    for _ in range(20):
+        logits = torch.randint(-3, 4, (1, 12), generator=gen).float()  # integer logits: ties everywhere
+        hf = TopKLogitsWarper(top_k)(torch.zeros(1, 1, dtype=torch.long), logits.clone())[0] > -float("inf")
+        oracle = filtered_distribution(logits[0].numpy(), 1.0, top_k=top_k).probs > 0
+        if top_k == 1:  # greedy: HF keeps the tied maxima, the argmax answers with the lowest of them
+            assert oracle.sum() == 1 and hf[int(np.flatnonzero(oracle)[0])]
+            continue
+        args = Sampler(CPU, 12).prepare(make_batch([SamplingParams(1.0, top_k=top_k)]))
+        ours = filtered_probs(logits, args.temperatures, args.top_k, args.top_p)[0] > 0
+        assert ours.tolist() == hf.tolist() == oracle.tolist(), logits
+
+
+def test_top_p_keeps_the_crossing_tie_block_whatever_the_order() -> None:
+    """Permuting the vocabulary permutes the kept set: no rule looks at the order of equal probabilities."""
+    logits = torch.tensor([[2.0, 0.0, 2.0, 1.0, 2.0, -1.0, 0.5, 2.0]])
+    params = [SamplingParams(1.0, top_p=0.5), SamplingParams(1.0, top_k=2, top_p=0.3)]
+    for perm in (torch.arange(8), torch.tensor([7, 6, 5, 4, 3, 2, 1, 0]), torch.tensor([3, 0, 6, 1, 5, 2, 7, 4])):
+        x = logits[:, perm].repeat(2, 1)
+        args = Sampler(CPU, 8).prepare(make_batch(params))
+        kept = filtered_probs(x, args.temperatures, args.top_k, args.top_p) > 0
+        for row in kept:
+            assert sorted(perm[row].tolist()) == [0, 2, 4, 7]
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch() -> None:
+    """A row's draw is a function of (seed, uid, position) and its logits: alone or among others, same tokens."""
+    logits = torch.tensor([SPEC_LOGITS, [0.0, 1.0, 2.0, 3.0, 2.0, 1.0], [1.0] * 6])
+    params = [SamplingParams(1.0), SamplingParams(0.8, top_k=4), SamplingParams(1.0, top_p=0.9)]
+    sampler = Sampler(CPU, 6, seed=5)
+    together = sampler.sample(logits, sampler.prepare(make_batch(params)))
+    for i in range(3):
+        batch = make_batch([params[i]])
+        batch.reqs[0].uid = i
+        assert sampler.sample(logits[i: i + 1], sampler.prepare(batch)).item() == together[i].item()
+
+
+def test_request_seed_overrides_the_sampler_seed() -> None:
+    logits = torch.tensor([[0.5, 1.0, 0.2, 0.9, 0.7, 0.1]] * 64)
+    a = Sampler(CPU, 6, seed=1).prepare(make_batch([SamplingParams(1.0, seed=11)] * 64))
+    b = Sampler(CPU, 6, seed=2).prepare(make_batch([SamplingParams(1.0, seed=11)] * 64))
+    assert torch.equal(a.uniforms, b.uniforms)  # the request's seed, not the sampler's, keys its stream
+    c = Sampler(CPU, 6, seed=1).prepare(make_batch([SamplingParams(1.0)] * 64))
+    assert len(set(c.uniforms.tolist())) == 64  # without one, each uid has its own stream
+    assert Sampler(CPU, 6).sample(logits, c).unique().numel() > 1

@@ -1,7 +1,7 @@
 """The distribution tests themselves: the power analysis holds up, the grid passes the sampler, and it has teeth.
 
-Teeth: four samplers with a planted fault each must fail the grid. They run at a target distance of 0.05
-instead of 0.01 (N about 25 times smaller, so the four runs take seconds); test_faults_move_a_row_by_at_least
+Teeth: five samplers with a planted fault each must fail the grid. They run at a target distance of 0.05
+instead of 0.01 (N about 25 times smaller, so the five runs take seconds); test_faults_move_a_row_by_at_least
 checks that each fault moves some row by at least that distance (or off the support), so each is caught with
 power >= 0.99 by construction.
 """
@@ -31,6 +31,7 @@ FAULTS = {  # fault -> a case it must fail
     "no-renormalize": "top-k+top-p",
     "crossing-dropped": "top-p",
     "temperature-twice": "temperature",
+    "ties-by-order": "tie-top-k",  # exactly k tokens, the lower ids first: the rule before ties were kept
 }
 
 
@@ -99,7 +100,7 @@ def test_small_grid_on_cuda() -> None:
 
 # ------------------------------------------------------------------------------------------ teeth
 def faulty_filtered_probs(fault: str) -> Callable[..., torch.Tensor]:
-    """engine.sample.filtered_probs with one planted fault."""
+    """engine.sample.filtered_probs with one planted fault (written by rank, as a sort-based sampler would be)."""
 
     def probs_fn(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
                  top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +110,11 @@ def faulty_filtered_probs(fault: str) -> Callable[..., torch.Tensor]:
         rank = torch.arange(probs.shape[1]).unsqueeze(0)
 
         def cut_k(sp: torch.Tensor) -> torch.Tensor:
-            return sp if top_k is None else sp.masked_fill(rank >= top_k.unsqueeze(1), 0.0)
+            if top_k is None:
+                return sp
+            kth = sp.gather(1, (top_k.long() - 1).unsqueeze(1))
+            drop = rank >= top_k.unsqueeze(1) if fault == "ties-by-order" else sp < kth
+            return sp.masked_fill(drop, 0.0)
 
         def cut_p(sp: torch.Tensor) -> torch.Tensor:
             if top_p is None:
@@ -117,7 +122,11 @@ def faulty_filtered_probs(fault: str) -> Callable[..., torch.Tensor]:
             if fault != "no-renormalize":
                 sp = sp / sp.sum(dim=-1, keepdim=True)
             mass = sp.cumsum(dim=-1) if fault == "crossing-dropped" else sp.cumsum(dim=-1) - sp
-            return sp.masked_fill(mass >= top_p.unsqueeze(1), 0.0)
+            drop = mass >= top_p.unsqueeze(1)
+            if fault not in ("ties-by-order", "crossing-dropped"):  # the whole tie block of the last kept token stays
+                last = (~drop).sum(dim=-1, keepdim=True) - 1
+                drop &= sp < sp.gather(1, last)
+            return sp.masked_fill(drop, 0.0)
 
         sorted_probs = cut_k(cut_p(sorted_probs)) if fault == "top-p-first" else cut_p(cut_k(sorted_probs))
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_probs)
@@ -132,9 +141,9 @@ def faulty_sample_fn(fault: str) -> SampleFn:
     """Sampler.sample with the planted fault in its filter; everything else (greedy rows, bad rows) unchanged."""
     probs_fn = faulty_filtered_probs(fault)
 
-    def sample(logits: torch.Tensor, args: engine.sample.BatchSamplingArgs, gen: torch.Generator) -> torch.Tensor:
+    def sample(logits: torch.Tensor, args: engine.sample.BatchSamplingArgs) -> torch.Tensor:
         with mock.patch.object(engine.sample, "filtered_probs", probs_fn):
-            return Sampler(logits.device, logits.shape[1], gen).sample(logits, args)
+            return Sampler(logits.device, logits.shape[1]).sample(logits, args)
 
     return sample
 

@@ -35,10 +35,10 @@ def create_attention_backend(name: str, model_config: ModelConfig, num_qo_heads:
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(num_qo_heads, num_kv_heads, model_config.head_dim, device, dtype)
+        return FlashInferBackend(model_config, num_qo_heads, num_kv_heads, device, dtype)
     from engine.attention.torch_backend import TorchBackend
 
-    return TorchBackend()
+    return TorchBackend(model_config)
 
 
 __all__ = ["AttentionBackend", "BaseAttnMetadata", "create_attention_backend", "resolve_attention_backend"]

@@ -9,6 +9,7 @@ from typing import List
 import torch
 
 from engine.core import Batch
+from engine.models.config import ModelConfig
 
 
 @dataclass
@@ -19,14 +20,19 @@ class BaseAttnMetadata:
         return self.cu_seqlens_q[1:] - 1
 
 
+def layer_windows(config: ModelConfig) -> List[int | None]:
+    """Per layer, the keys a query sees on a sliding layer (its own and window - 1 before it), None for full."""
+    return [config.sliding_window if t == "sliding" else None for t in config.layer_types]
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
-        """Set batch.attn_metadata from batch.padded_reqs and the page table (host-side work, before forward)."""
+        """Set batch.attn_metadata from batch.padded_reqs and the page table (before forward)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        """q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq * D]; writes k and v at batch.out_loc first."""
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q [N, Hq, D], kv [N, 2, Hkv, D] -> [N, Hq * D]; writes kv at batch.out_loc first."""
 
     # CUDA-graph hooks: static metadata buffers captured once, refilled before each replay.
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:

@@ -1,4 +1,4 @@
-"""The attention layer: RoPE on q and k, then the backend, which stores k and v in the pool and attends."""
+"""The attention layer: RoPE on q and k in place, then the backend, which stores k and v in the pool and attends."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from engine.layers.rotary import RotaryEmbedding
 
 
 class AttentionLayer(nn.Module):
-    def __init__(self, layer_id: int, head_dim: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.head_dim = head_dim
         self.rotary = [rotary]  # a list, so the shared module is neither re-registered nor in the state dict
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k and v [N, Hkv, D] -> [N, Hq * D]."""
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [N, Hq, D] and kv [N, 2, Hkv, D] (views of the merged projection) -> [N, Hq * D]."""
         ctx = get_global_ctx()
-        q, k = self.rotary[0](ctx.batch.positions, q, k)
-        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        self.rotary[0].forward_(ctx.batch.positions, q, kv[:, 0])
+        return ctx.attn_backend.forward(q, kv, self.layer_id, ctx.batch)

@@ -1,23 +1,28 @@
-"""RMSNorm computed in fp32 and cast back before the weight, as HF Llama/Qwen3 do."""
+"""RMSNorm over the hidden size or per head; the arithmetic is the engine's ops (layers/ops.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.layers.ops import TorchOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float, ops: TorchOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
+        self.offset = offset  # the weight applied is offset + w (Gemma stores w - 1)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rmsnorm(x, self.weight, self.eps, self.offset)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(x + residual), and x + residual as the next residual (added in the model dtype, like HF)."""
-        residual = x + residual
-        return self.forward(residual), residual
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
+
+    def forward_heads_(self, x: torch.Tensor) -> None:
+        """x [N, H, D], a view of the merged projection, normalized per head in place."""
+        self.ops.head_rmsnorm_(x, self.weight, self.eps, self.offset)

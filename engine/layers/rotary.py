@@ -1,4 +1,4 @@
-"""Rotary position embedding with HF's numerics: angles in fp32, cos/sin cast to the model dtype, rotate-half."""
+"""Rotary position embedding with HF's angles: inverse frequencies and angles in fp32, rotate-half (neox) layout."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from engine.layers.ops import TorchOps
 from engine.models.config import RotaryConfig
 
 
@@ -15,8 +16,10 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if cfg.scaling is None:
         return inv_freq
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
     s = cfg.scaling
+    if s["rope_type"] == "linear":  # positions divided by `factor`
+        return inv_freq / s["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
     low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
     high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
@@ -29,23 +32,16 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: RotaryConfig, max_position: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: RotaryConfig, max_position: int, dtype: torch.dtype, device: torch.device,
+                 ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         # Computed on the CPU explicitly: the model itself is built under torch.device("meta").
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, _inv_freq(cfg))  # one fp32 product per entry, bitwise what HF's matmul gives
-        emb = torch.cat([freqs, freqs], dim=-1)
-        # [max_position, head_dim] each, in the model dtype as HF casts them
-        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim]: cos | sin
+        self.register_buffer("table", ops.rope_table(table, dtype).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N]; q [N, Hq, D]; k [N, Hkv, D]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    def forward_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """positions [N]; q [N, Hq, D] and k [N, Hkv, D], views rotated in place."""
+        self.ops.rope_(positions, q, k, self.table)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Literal, Tuple
+
+LayerType = Literal["full", "sliding"]
 
 
 @dataclass(frozen=True)
@@ -11,7 +13,7 @@ class RotaryConfig:
     head_dim: int
     max_position: int
     base: float
-    scaling: Dict[str, Any] | None  # HF rope_parameters beyond theta, e.g. {"rope_type": "llama3", ...}
+    scaling: Dict[str, Any] | None  # HF rope parameters beyond theta, e.g. {"rope_type": "llama3", ...}
 
 
 @dataclass(frozen=True)
@@ -25,55 +27,103 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rotary_config: RotaryConfig
+    rotary_config: RotaryConfig  # full-attention layers
     tie_word_embeddings: bool
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
     attention_bias: bool  # bias on the q/k/v projections
-    hidden_act: str
+    hidden_act: Literal["silu", "gelu_tanh"]  # the gate's activation in the MLP
+    layer_types: Tuple[LayerType, ...]  # per layer: full causal attention, or a sliding window
+    sliding_window: int | None = None  # a sliding layer's query sees its own key and the window - 1 before it
+    local_rotary_config: RotaryConfig | None = None  # sliding layers' RoPE when it differs (Gemma 3: base 1e4)
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    embed_scale: float | None = None  # embeddings multiplied by this in the model dtype (Gemma: sqrt(hidden))
+    norm_offset: float = 0.0  # RMSNorm applies offset + w (Gemma stores w - 1: offset 1)
+    sandwich_norm: bool = False  # a norm after attention and after the MLP too, before the residual add (Gemma)
     is_moe: bool = False
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return "sliding" in self.layer_types
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
         arch = (getattr(hf, "architectures", None) or ["<none>"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-        if hf.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; supported: silu")
+        flags = ARCHITECTURES[arch]
+        act = getattr(hf, "hidden_activation", None) or hf.hidden_act
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(hf, cap, None) is not None:
+                raise ValueError(f"unsupported {cap}={getattr(hf, cap)} (logit soft-capping is not implemented)")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise ValueError("unsupported use_bidirectional_attention=True: the engine's attention is causal")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        rope = dict(getattr(hf, "rope_parameters", None) or {})  # transformers >= 5
-        theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
-        legacy_scaling = getattr(hf, "rope_scaling", None)  # transformers 4.x
-        if legacy_scaling and not rope:
-            rope = dict(legacy_scaling)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+        num_layers = hf.num_hidden_layers
+        layer_types = tuple(_LAYER_TYPES[t] for t in (getattr(hf, "layer_types", None) or
+                                                      ["full_attention"] * num_layers))
+        sliding = "sliding" in layer_types
+        global_rope, local_rope = _rope_parameters(hf)
+        scalar = getattr(hf, "query_pre_attn_scalar", None)
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
+            num_layers=num_layers,
             num_qo_heads=hf.num_attention_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
-            rotary_config=RotaryConfig(
-                head_dim=head_dim,
-                max_position=hf.max_position_embeddings,
-                base=float(theta),
-                scaling=dict(rope, rope_type=rope_type) if rope_type != "default" else None,
-            ),
+            rotary_config=_rotary(global_rope, head_dim, hf.max_position_embeddings),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", False)) or ARCHITECTURES[arch]["attention_bias"],
-            qk_norm=ARCHITECTURES[arch]["qk_norm"],
-            hidden_act=hf.hidden_act,
+            attention_bias=bool(getattr(hf, "attention_bias", False)) or flags["attention_bias"],
+            qk_norm=flags["qk_norm"],
+            hidden_act=_ACTIVATIONS[act],
+            layer_types=layer_types,
+            sliding_window=hf.sliding_window if sliding else None,
+            local_rotary_config=_rotary(local_rope, head_dim, hf.max_position_embeddings) if local_rope else None,
+            attn_scale=float(scalar) ** -0.5 if scalar is not None else None,
+            embed_scale=float(hf.hidden_size) ** 0.5 if flags["scaled_embedding"] else None,
+            norm_offset=1.0 if flags["norm_offset"] else 0.0,
+            sandwich_norm=flags["sandwich_norm"],
         )
 
 
+def _rope_parameters(hf: Any) -> tuple[Dict[str, Any], Dict[str, Any] | None]:
+    """(global, local) RoPE parameters; local is None when every layer uses the global ones."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})  # transformers >= 5
+    if "full_attention" in rope:  # per layer type (Gemma 3)
+        return dict(rope["full_attention"]), dict(rope["sliding_attention"])
+    theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
+    legacy_scaling = getattr(hf, "rope_scaling", None)  # transformers 4.x
+    if legacy_scaling and not rope:
+        rope = dict(legacy_scaling)
+    return dict(rope, rope_theta=theta), None
+
+
+def _rotary(params: Dict[str, Any], head_dim: int, max_position: int) -> RotaryConfig:
+    params = dict(params)
+    theta = params.pop("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    return RotaryConfig(head_dim=head_dim, max_position=max_position, base=float(theta),
+                        scaling=dict(params, rope_type=rope_type) if rope_type != "default" else None)
+
+
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_LAYER_TYPES: Dict[str, LayerType] = {"full_attention": "full", "sliding_attention": "sliding"}
+
 # What each architecture adds to the shared decoder; everything else is read from its config.
 ARCHITECTURES: Dict[str, Dict[str, bool]] = {
-    "LlamaForCausalLM": {"qk_norm": False, "attention_bias": False},
-    "Qwen2ForCausalLM": {"qk_norm": False, "attention_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True, "attention_bias": False},
+    "LlamaForCausalLM": {"qk_norm": False, "attention_bias": False, "sandwich_norm": False, "norm_offset": False,
+                         "scaled_embedding": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "attention_bias": True, "sandwich_norm": False, "norm_offset": False,
+                         "scaled_embedding": False},
+    "Qwen3ForCausalLM": {"qk_norm": True, "attention_bias": False, "sandwich_norm": False, "norm_offset": False,
+                         "scaled_embedding": False},
+    "Gemma3ForCausalLM": {"qk_norm": True, "attention_bias": False, "sandwich_norm": True, "norm_offset": True,
+                          "scaled_embedding": True},
 }

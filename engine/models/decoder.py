@@ -1,7 +1,11 @@
 """One decoder for every supported architecture: embed -> N x [norm, attention, norm, MLP] -> norm -> head.
 
-Architectures differ only by ModelConfig fields (qk_norm, attention_bias, tie_word_embeddings, rope).
-Parameter names follow HF's, with q/k/v merged into qkv_proj and gate/up into gate_up_proj (models/weights.py).
+Architectures differ only by ModelConfig fields: qk_norm, attention_bias, tie_word_embeddings, RoPE (one base, or
+one per layer type), per-layer sliding windows, the softmax scale, a scaled embedding, the norms' weight offset and
+sandwich norms (a norm on the attention and MLP outputs before each residual add), the gate's activation.
+Parameter names follow HF's, with q/k/v merged into qkv_proj and gate/up into gate_up_proj (models/weights.py); the
+norm before the MLP is pre_feedforward_layernorm in every architecture.
+The small ops (norms, RoPE, activation) come from one TorchOps object chosen for the engine (layers/ops.py).
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from torch import nn
 
 from engine.core import get_global_ctx
 from engine.distributed import div_even, get_tp_info
-from engine.layers.activation import silu_and_mul
 from engine.layers.attention import AttentionLayer
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
+from engine.layers.ops import TorchOps
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 
@@ -27,75 +31,103 @@ def heads_per_rank(config: ModelConfig) -> tuple[int, int]:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
         super().__init__()
         self.num_qo_heads, self.num_kv_heads = heads_per_rank(config)
         self.head_dim = d = config.head_dim
         qkv_out = (self.num_qo_heads + 2 * self.num_kv_heads) * d
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.attn = AttentionLayer(layer_id, d, rotary)
+        norm = (lambda: RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops)) if config.qk_norm else None
+        self.q_norm = norm() if norm else None
+        self.k_norm = norm() if norm else None
+        self.attn = AttentionLayer(layer_id, rotary)
         self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d, hq, hkv = self.head_dim, self.num_qo_heads, self.num_kv_heads
-        q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v))
+        n, d, hq, hkv = x.shape[0], self.head_dim, self.num_qo_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [N, (Hq + 2 Hkv) D]: q, k and v stay views of it until the KV pool
+        q = qkv[:, : hq * d].view(n, hq, d)
+        kv = qkv[:, hq * d:].view(n, 2, hkv, d)
+        if self.q_norm is not None:  # per-head RMSNorm before RoPE, in place
+            self.q_norm.forward_heads_(q)
+            self.k_norm.forward_heads_(kv[:, 0])
+        return self.o_proj(self.attn(q, kv))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
         inter = div_even(config.intermediate_size, get_tp_info().size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False)
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act, self.ops = config.hidden_act, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, ops: TorchOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, ops)
+
+        self.input_layernorm = norm()
+        self.self_attn = SelfAttention(config, layer_id, rotary, ops)
+        self.post_attention_layernorm = norm() if config.sandwich_norm else None
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = MLP(config, ops)
+        self.post_feedforward_layernorm = norm() if config.sandwich_norm else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (None before the first layer)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm.forward_residual(x, residual)
         x = self.self_attn(x)
-        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
-        return self.mlp(x), residual
+        if self.post_attention_layernorm is not None:
+            x = self.post_attention_layernorm(x)
+        x, residual = self.pre_feedforward_layernorm.forward_residual(x, residual)
+        x = self.mlp(x)
+        if self.post_feedforward_layernorm is not None:
+            x = self.post_feedforward_layernorm(x)
+        return x, residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, local_rotary: RotaryEmbedding | None,
+                 dtype: torch.dtype, ops: TorchOps) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # HF multiplies by the scale rounded to the model dtype (a bf16 tensor in bf16), so round it the same way
+        self.embed_scale = None if config.embed_scale is None else \
+            float(torch.tensor(config.embed_scale, dtype=torch.float32, device="cpu").to(dtype))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, local_rotary if local_rotary and config.layer_types[i] == "sliding" else rotary,
+                         ops)
+            for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, ops)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for layer in self.layers:
             x, residual = layer(x, residual)
         return self.norm.forward_residual(x, residual)[0]
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,
+                 ops: TorchOps) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config.rotary_config, max_position, dtype, device)
-        self.model = DecoderModel(config, self.rotary)
+        self.rotary = RotaryEmbedding(config.rotary_config, max_position, dtype, device, ops)
+        self.local_rotary = None if config.local_rotary_config is None else \
+            RotaryEmbedding(config.local_rotary_config, max_position, dtype, device, ops)
+        self.model = DecoderModel(config, self.rotary, self.local_rotary, dtype, ops)
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self) -> torch.Tensor:
@@ -109,5 +141,6 @@ class CausalLM(nn.Module):
         return compute_logits(hidden, weight, self.config.vocab_size)
 
 
-def create_model(config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    return CausalLM(config, max_position, device, dtype)
+def create_model(config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,
+                 ops: TorchOps) -> CausalLM:
+    return CausalLM(config, max_position, device, dtype, ops)

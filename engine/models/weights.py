@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, Tuple
 
 import torch
 from safetensors import safe_open
 
 from engine.distributed import get_tp_info
 from engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.models.decoder import CausalLM
 
 _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -67,6 +70,8 @@ def load_weight_state_dict(path: str, config: ModelConfig, device: torch.device,
             continue  # some checkpoints store the tied copy; the decoder reads the embedding
         if re.search(r"rotary_emb\.inv_freq$", name):
             continue
+        if not config.sandwich_norm:  # Llama and Qwen call the norm before the MLP post_attention_layernorm
+            name = name.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm.")
         module = name.split(".")[-2]
         t = _shard(name, module, tensor, config).to(device=device, dtype=dtype)
         if module in _MERGED:
@@ -83,14 +88,15 @@ def load_weight_state_dict(path: str, config: ModelConfig, device: torch.device,
     return state
 
 
-def dummy_state_dict(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+def dummy_state_dict(model: "CausalLM", device: torch.device, dtype: torch.dtype,
                      seed: int = 0) -> Dict[str, torch.Tensor]:
     """Random weights of the right shapes, for benchmarks on model shapes whose weights are not at hand."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
+    offset = model.config.norm_offset
     for name, p in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(p.shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):  # norms that multiply by 1
+            state[name] = torch.full(p.shape, 1.0 - offset, device=device, dtype=dtype)
         else:
             state[name] = (torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
     return state

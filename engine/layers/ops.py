@@ -1,0 +1,127 @@
+"""The small ops of a decoder layer, in two implementations chosen once per engine (EngineConfig.ops_backend).
+
+TorchOps is the readable definition, with Hugging Face's numerics (the reference on any device and dtype);
+FlashInferOps replaces each op by one fused CUDA kernel for half precision. Layers hold the chosen object and never
+branch on the device. Ops ending in `_` work in place on views of the merged q/k/v projection, so the fused path
+writes no copies of q and k.
+
+Numerics that differ on the fused path, each within bf16 rounding: RMSNorm multiplies the weight in fp32 before one
+rounding (HF Llama casts first), fused_add_rmsnorm normalizes the unrounded sum, RoPE rotates HF's rounded cos/sin in
+fp32 and rounds once (HF rounds after each product), the gated activations round once. Gemma's per-head q/k norms
+stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OPS_BACKENDS = ("torch", "flashinfer")
+
+
+class TorchOps:
+    name = "torch"
+
+    def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+        """The cos | sin table [max_pos, D] in fp32 -> what rope_ reads: HF casts cos/sin to the model dtype."""
+        return table.to(model_dtype)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        """x [..., D] -> x / rms(x) * (offset + weight). offset 0 (Llama, Qwen): computed in fp32, cast back before
+        the weight multiply; offset 1 (Gemma stores w - 1): the weight product in fp32 too, then cast."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:
+            return (h * (offset + weight.float())).to(x.dtype)
+        return weight * h.to(x.dtype)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual), x + residual); the sum is rounded to the model dtype first, as HF adds."""
+        residual = x + residual
+        return self.rmsnorm(residual, weight, eps, offset), residual
+
+    def head_rmsnorm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+        """Per-head RMSNorm of x [N, H, D] (a view), in place."""
+        x.copy_(self.rmsnorm(x, weight, eps, offset))
+
+    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
+        """Rotate-half RoPE of q [N, Hq, D] and k [N, Hkv, D] (views) in place; table [max_pos, D] holds
+        cos | sin of the D / 2 frequencies. Bitwise HF's q * cos + rotate_half(q) * sin in the model dtype."""
+        cos, sin = table[positions].unsqueeze(1).chunk(2, dim=-1)
+        for x in (q, k):
+            x1, x2 = x.chunk(2, dim=-1)
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+            x.copy_(rotated)
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """[N, 2I] (gate | up) -> act(gate) * up [N, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+
+
+class FlashInferOps(TorchOps):
+    """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
+    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul."""
+
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+
+    def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
+        # the kernel reads an fp32 cache: give it HF's cos/sin values (rounded to the model dtype), so only the
+        # rotation's rounding differs (once in fp32 here, after each product in HF)
+        return table.to(model_dtype).float()
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        return (self.fi.gemma_rmsnorm if _unit(offset) else self.fi.rmsnorm)(x, weight, eps)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # in place: residual becomes x + residual, x its normalized value
+        (self.fi.gemma_fused_add_rmsnorm if _unit(offset) else self.fi.fused_add_rmsnorm)(x, residual, weight, eps)
+        return x, residual
+
+    def head_rmsnorm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+        if _unit(offset):  # FlashInfer's gemma_rmsnorm takes 2D input only: the reference does these heads
+            x.copy_(TorchOps.rmsnorm(self, x, weight, eps, offset))
+        else:
+            self.fi.rmsnorm(x, weight, eps, out=x)
+
+    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
+        self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, q.shape[-1], table, is_neox=True)
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        return (self.fi.silu_and_mul if act == "silu" else self.fi.gelu_tanh_and_mul)(gate_up)
+
+
+def _unit(offset: float) -> bool:
+    assert offset in (0.0, 1.0), f"RMSNorm weight offset {offset}: the fused kernels know 0 and 1"
+    return offset == 1.0
+
+
+
+def resolve_ops_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto" -> flashinfer on CUDA in half precision when it is installed (its kernels have no fp32), torch else."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if name == "auto":
+        if device.type != "cuda" or not half:
+            return "torch"
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "flashinfer"
+    if name not in OPS_BACKENDS:
+        raise ValueError(f"unknown ops backend {name!r}; choose one of: auto, {', '.join(OPS_BACKENDS)}")
+    if name == "flashinfer" and (device.type != "cuda" or not half):
+        raise ValueError(f"the flashinfer ops need a CUDA device and fp16/bf16, got {device.type} {dtype}: "
+                         "use ops_backend='torch'")
+    return name
+
+
+def create_ops(name: str) -> TorchOps:
+    return FlashInferOps() if name == "flashinfer" else TorchOps()
