@@ -2,7 +2,8 @@
 
 Every figure comes from this one run: the engine (through the driver, host work included, synchronized), HF
 transformers on the same model, dtype and workload, and the limit (a large copy for bandwidth, a large matmul for
-FLOP/s) measured on the same device. Writes reports/bench/<device>/: bench.csv, bench.json, summary.md, *.png.
+FLOP/s) measured on the same device. Writes build/reports/bench/<device>/ (reports/bench/<device>/ with
+--update-reports): bench.csv, bench.json, summary.md, *.png.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from harness.bench_report import write_bench_report
 from harness.bench_workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
                                      hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
+from harness.report import add_update_flag
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODELS = {"cpu": ["smollm2-135m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
@@ -140,7 +142,7 @@ def _cmd(args: argparse.Namespace) -> int:
     device = args.device
     models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
     result = run_bench(device, models, with_hf=not args.no_hf)
-    print(write_bench_report(result))
+    print(write_bench_report(result, update=args.update_reports))
     return 0
 
 
@@ -150,4 +152,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", choices=list(zoo.MODELS),
                    help="default: smollm2-135m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peer (its ratios are then missing)")
+    add_update_flag(p)
     p.set_defaults(func=_cmd)
