@@ -1,12 +1,20 @@
 """Sessions: tests and parity run by default; golden and bench on request (nox -s golden / nox -s bench).
 
 Extra arguments pass through: `nox -s parity -- --model tiny-qwen3`, `nox -s tests -- -k sampler`.
+Reports go to build/reports/ (git-ignored); `-- --update-reports` writes the committed reports/ instead.
 """
+
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["tests", "parity"]
 nox.options.reuse_existing_virtualenvs = True
+
+
+def _report_root(session: nox.Session) -> Path:
+    # the rule of harness.report.report_root, for files a session writes itself
+    return Path("reports" if "--update-reports" in session.posargs else "build/reports")
 
 
 def _install(session: nox.Session) -> None:
@@ -38,10 +46,13 @@ def golden(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput and latency beside HF and the hardware's limit, into reports/bench/<device>/; on the CPU also
-    the pytest-benchmark micro-benchmarks (compare a change with --benchmark-compare against their JSON)."""
+    """Throughput and latency beside HF and the hardware's limit, into build/reports/bench/<device>/ (reports/ with
+    `-- --update-reports`); on the CPU also the pytest-benchmark micro-benchmarks, whose JSON follows the same rule
+    (compare a change with --benchmark-compare against it)."""
     _install(session)
     session.run("python", "-m", "harness", "bench", *session.posargs)
     if "cuda" not in " ".join(session.posargs):
+        out = _report_root(session) / "bench" / "cpu"
+        out.mkdir(parents=True, exist_ok=True)
         session.run("python", "-m", "pytest", "tests/test_bench_micro.py", "--benchmark-only", "-q",
-                    "--benchmark-json=reports/bench/cpu/pytest-benchmark.json")
+                    f"--benchmark-json={out / 'pytest-benchmark.json'}")

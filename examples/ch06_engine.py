@@ -39,6 +39,7 @@ for step in range(8):
     batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len:r.device_len] for r in reqs])
     engine.attn_backend.prepare_metadata(batch)
     out = engine.forward_batch(batch, engine.sampler.prepare(batch))  # forward and sample, advancing the Req state
+    out.copy_done_event.synchronize()  # the copy to next_tokens_cpu is non_blocking on CUDA: wait before reading it
     for i, r in enumerate(reqs):
         r.append_host(out.next_tokens_cpu[i:i + 1])
         outs[i].append(int(out.next_tokens_cpu[i]))

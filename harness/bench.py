@@ -4,7 +4,8 @@ Every figure comes from this one run: the engine (through the driver, host work 
 same model, dtype and workload (eager, and on CUDA with a static cache compiled by transformers), and the limit (a
 large copy for bandwidth, a large matmul for FLOP/s) measured on the same device. On CUDA each decode batch size is
 also profiled: kernels per step, the graph replay's GPU time and the host's time by part, which name the bound.
-Writes bench.csv, bench.json, summary.md and plots under the report folder.
+Writes build/reports/bench/<device>/ (reports/bench/<device>/ with --update-reports): bench.csv, bench.json,
+summary.md, *.png.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from harness.bench_report import write_bench_report
 from harness.bench_workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
                                      hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
+from harness.report import add_update_flag
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODELS = {"cpu": ["smollm2-135m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
@@ -174,7 +176,7 @@ def _cmd(args: argparse.Namespace) -> int:
     device = args.device
     models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
     result = run_bench(device, models, with_hf=not args.no_hf)
-    print(write_bench_report(result))
+    print(write_bench_report(result, update=args.update_reports))
     return 0
 
 
@@ -184,4 +186,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", action="append", choices=list(zoo.MODELS),
                    help="default: smollm2-135m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
+    add_update_flag(p)
     p.set_defaults(func=_cmd)

@@ -1,11 +1,12 @@
-"""Benchmark reports: reports/bench/<device>/{bench.csv, bench.json, summary.md, *.png}."""
+"""Benchmark reports: <reports>/bench/<device>/{bench.csv, bench.json, summary.md, *.png}; <reports> is
+build/reports unless the committed reports/ are asked for (harness.report.report_root)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, List
 
-from harness.report import REPORTS_DIR, markdown_table, provenance, provenance_markdown, write_json
+from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
 
 COLUMNS = ["model", "runner", "workload", "batch_size", "length", "median_s", "p10_s", "p90_s", "tokens_per_s",
            "floor_s", "fraction_of_floor", "achieved_GBps", "achieved_TFLOPs"]
@@ -76,11 +77,11 @@ def _plots(rows: List[Dict[str, Any]], out: Path) -> List[str]:
     return made
 
 
-def write_bench_report(result: Dict[str, Any]) -> str:
+def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
     import pandas as pd
 
     device = result["device"].split(":")[0]
-    out = REPORTS_DIR / "bench" / device
+    out = report_root(update) / "bench" / device
     out.mkdir(parents=True, exist_ok=True)
     rows = result["rows"]
     frame = pd.DataFrame(rows)
@@ -110,5 +111,5 @@ def write_bench_report(result: Dict[str, Any]) -> str:
     lines = [f"bench on {result['device']}: {lim['bandwidth'] / 1e9:.1f} GB/s, {lim['matmul_flops'] / 1e12:.2f} TFLOP/s"]
     verdict = {True: "met", False: "NOT met", "-": "-"}
     lines += [f"  {t['model']}: {t['target']}: {t['reached']} ({verdict[t['met']]})" for t in tgt]
-    lines.append(f"report: {out / 'summary.md'}")
+    lines.append(written_to(out / "summary.md", update))
     return "\n".join(lines)

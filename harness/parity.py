@@ -41,6 +41,7 @@ from harness import zoo
 from harness.driver import Driver
 from harness.parity_paths import PATHS, ParityPath
 from harness.parity_report import write_report
+from harness.report import add_update_flag
 
 logger = logging.getLogger(__name__)
 
@@ -312,12 +313,12 @@ def _cmd(args: argparse.Namespace) -> int:
                 print(f"REFUSED {model} {args.device} {dtype}: {e}", file=sys.stderr)
                 failed = True
                 continue
-            print(write_report(result, write_files=not args.no_report))
+            print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
     if not args.no_sampling and args.device == "cpu":
         from harness import sampling
 
-        failed |= sampling.main_from_parity() != 0
+        failed |= sampling.main_from_parity(update=args.update_reports) != 0
     return 1 if failed else 0
 
 
@@ -329,7 +330,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: float32 on cpu; bfloat16 and float32 on cuda")
     p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on cpu, NCCL on cuda)")
-    p.add_argument("--no-report", action="store_true", help="print only; leave reports/parity untouched")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--no-report", action="store_true", help="print only; write no report files")
+    add_update_flag(where)
     p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
     p.set_defaults(func=_cmd)
 

@@ -1,4 +1,5 @@
-"""Parity reports: reports/parity/<model>/<device>-<dtype>.{md,json} and a terminal summary."""
+"""Parity reports: <reports>/parity/<model>/<device>-<dtype>.{md,json} and a terminal summary; <reports> is
+build/reports unless the committed reports/ are asked for (harness.report.report_root)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List
 
 from harness.parity_paths import PATHS
-from harness.report import REPORTS_DIR, markdown_table, provenance, provenance_markdown, text_table, write_json
+from harness.report import (markdown_table, provenance, provenance_markdown, report_root, text_table, write_json,
+                            written_to)
 
 if TYPE_CHECKING:
     from harness.parity import ParityResult
@@ -40,8 +42,9 @@ def summary_rows(result: "ParityResult") -> List[Dict[str, Any]]:
     return rows
 
 
-def write_report(result: "ParityResult", write_files: bool = True) -> str:
-    """Write the markdown and JSON reports; return the terminal summary."""
+def write_report(result: "ParityResult", write_files: bool = True, update: bool = False) -> str:
+    """Write the markdown and JSON reports (into the committed reports/ only when `update`); return the terminal
+    summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
@@ -57,8 +60,8 @@ def write_report(result: "ParityResult", write_files: bool = True) -> str:
     from harness.parity import __doc__ as rule
 
     prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
-    out = REPORTS_DIR / "parity" / result.model / (f"{result.device.split(':')[0]}-{result.dtype}"
-                                                  + (f"-tp{result.tp}" if result.tp > 1 else ""))
+    name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "")
+    out = report_root(update) / "parity" / result.model / name
     paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
@@ -69,4 +72,4 @@ def write_report(result: "ParityResult", write_files: bool = True) -> str:
     out.with_suffix(".md").write_text(md)
     write_json(out.with_suffix(".json"), {"provenance": prov, "tol": result.tol, "hf_spread": result.hf_spread,
                                           "passed": result.passed, "prompts": [asdict(p) for p in result.prompts]})
-    return f"{text}\nreport: {out.with_suffix('.md')}"
+    return f"{text}\n{written_to(out.with_suffix('.md'), update)}"

@@ -1,7 +1,9 @@
-"""Report writing shared by parity, sampling and bench: provenance, markdown tables, JSON, terminal tables."""
+"""Report writing shared by parity, sampling and bench: where reports go, provenance, markdown tables, JSON,
+terminal tables."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shlex
@@ -11,7 +13,28 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
-REPORTS_DIR = Path(__file__).resolve().parent.parent / "reports"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REPORTS_DIR = REPO_ROOT / "reports"  # committed: rewritten only on request (--update-reports)
+BUILD_REPORTS_DIR = REPO_ROOT / "build" / "reports"  # git-ignored: where a plain run writes
+UPDATE_FLAG = "--update-reports"
+
+
+def report_root(update: bool) -> Path:
+    """The folder a verb writes its reports under, in the same layout either way: the committed reports/ only when
+    asked, else build/reports/, so that a plain run leaves the working tree clean."""
+    return REPORTS_DIR if update else BUILD_REPORTS_DIR
+
+
+def add_update_flag(parser: "argparse._ActionsContainer") -> None:
+    parser.add_argument(UPDATE_FLAG, dest="update_reports", action="store_true",
+                        help="write the committed reports under reports/ (default: build/reports/, git-ignored)")
+
+
+def written_to(path: Path, update: bool) -> str:
+    """The line a verb prints after writing a report: where it went and, for a scratch copy, how to commit one."""
+    if update:
+        return f"report: {path} (committed reports updated)"
+    return f"report: {path} (not committed; {UPDATE_FLAG} writes it under {REPORTS_DIR}/)"
 
 
 def device_name(device: str) -> str:

@@ -197,35 +197,40 @@ def write_report(result: GridResult, device: str, out: Path, wall: float) -> Non
 
 
 def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
-            real: bool = True) -> int:
-    """Run the grid, write the report, print a short table; 0 when every check passes, 1 otherwise."""
+            real: bool = True, update: bool = False) -> int:
+    """Run the grid, write the report (under `out`, else the report root: the committed reports/ only when
+    `update`), print a short table; 0 when every check passes, 1 otherwise."""
     start = time.perf_counter()
     result = run_grid(device, cases=all_cases(real=real), max_cost=max_cost, seed=seed)
     wall = time.perf_counter() - start
-    out = out or report.REPORTS_DIR / "sampling" / device.split(":")[0]
+    out = out or report.report_root(update) / "sampling" / device.split(":")[0]
     write_report(result, device, out, wall)
     print(report.text_table(_table_rows(result), ["case", "row", "params", "n", "categories", "p_value",
                                                   "detectable_tv", "power_at_tv", "result"]))
     s = result.settings
     print(f"\n{s['tests']} chi-square tests at alpha {s['per_test_alpha']:.2e} each (family {s['family_alpha']}); "
-          f"{wall:.0f} s; report in {out}")
+          f"{wall:.0f} s")
+    print(report.written_to(out / "sampling.md", update))
     print("PASS" if result.passed else f"FAIL: {', '.join(result.failed_cases())}")
     return 0 if result.passed else 1
 
 
-def main_from_parity() -> int:
+def main_from_parity(update: bool = False) -> int:
     """What `python -m harness parity` runs after the golden comparison: the default CPU grid and its report."""
-    return run_cli("cpu")
+    return run_cli("cpu", update=update)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, not args.no_real)
+    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, not args.no_real,
+                   args.update_reports)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sampling", help="the sampler's draws against a float64 oracle (chi-square, stated power)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--out", default=None, help="report folder (default reports/sampling/<device>)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="report folder (default build/reports/sampling/<device>)")
+    report.add_update_flag(where)
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--max-cost", type=float, default=None,
                    help="cap on draws x vocab per case; binds only the 49152-token cases "

@@ -1,6 +1,7 @@
 """CPU micro-benchmarks (pytest-benchmark): one decode step and one prefill through the driver.
 
-`nox -s bench` saves them to reports/bench/cpu/pytest-benchmark.json; compare a change against it with
+`nox -s bench` saves them to build/reports/bench/cpu/pytest-benchmark.json (`nox -s bench -- --update-reports`: to
+the committed reports/bench/cpu/pytest-benchmark.json); compare a change against it with
 `pytest tests/test_bench_micro.py --benchmark-only --benchmark-compare=<saved json>`.
 """
 

@@ -19,3 +19,10 @@ def test_ch06_example(model):
     assert lines[0] == "device cpu, attention backend torch, KV pool 1024 pages, page table (5, 256)"
     assert lines[1].startswith("prefill input tokens:")
     assert [line.endswith("matches HF: True") for line in lines[2:]] == [True, True], out.stdout
+
+
+def test_ch06_example_waits_for_the_copy_before_reading_tokens():
+    """On CUDA next_tokens_cpu is filled by a non_blocking copy: reading it before the event is a race the CPU run
+    cannot show, so the order is checked in the source."""
+    source = EXAMPLE.read_text()
+    assert source.index("out.copy_done_event.synchronize()") < source.index("out.next_tokens_cpu")

