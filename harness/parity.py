@@ -216,50 +216,83 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
     return results, check_path(path.name, errs, kls, limits)
 
 
-def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet, tp: int = 1) -> tuple:
-    """Run the engine along one path; per prompt, the PositionStat of every position and the sampled tokens.
-    With tp > 1 the engine runs on tp ranks (processes, harness.tp) and rank 0's logits are compared."""
+@dataclass
+class _PathPlan:
+    """What one path runs: the engine's config and, per group of prompts run together, the driver's arguments."""
+
+    engine_kwargs: Dict[str, Any]
+    params: SamplingParams
+    groups: List[List[int]]
+    prompts: List[List[int]]
+    args: List[Dict[str, Any]]  # per group: forced, prefix_lens
+    max_prefill_tokens: int
+
+
+def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _PathPlan:
     longest = max(len(p.prompt_ids) + len(p.tokens) for p in gs.prompts)
     kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
               max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
               max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
               ops_backend=path.ops_backend)
-    stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
-
-    def record(uid: int, start: int, lp: torch.Tensor) -> None:
-        lp = lp.cpu()
-        for i in range(lp.shape[0]):
-            stats[uid][start + i] = compare_row(lp[i], *_golden_row(gs.prompts[uid], start + i))
-
     prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
     forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
-    params = SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True)
     groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
-    engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), **kw)) \
-        if tp == 1 else None
-    outputs: List[List[int]] = []
-    try:
-        for group in groups:
-            args = dict(forced=None if forced is None else [forced[i] for i in group],
-                        prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None)
-            if engine is not None:
-                res = Driver(engine, max_prefill_tokens=path.max_prefill_tokens).generate(
-                    [prompts[i] for i in group], params, on_logits=lambda uid, pos, lp, base=group[0]:
-                    record(base + uid, pos, lp), **args)
-            else:
-                from harness.tp import TPRun, tp_generate
+    args = [dict(forced=None if forced is None else [forced[i] for i in group],
+                 prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None) for group in groups]
+    return _PathPlan(kw, SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True), groups, prompts,
+                     args, path.max_prefill_tokens)
 
-                out = tp_generate(TPRun(str(zoo.path(model)), [prompts[i] for i in group], params, engine_kwargs=kw,
-                                        record_logits=True, driver_kwargs={"max_prefill_tokens": path.max_prefill_tokens},
-                                        **args), tp)
-                for uid, logits in out.logits.items():
-                    record(group[0] + uid, 0, torch.log_softmax(logits, dim=-1))
-                res = out.results
-            outputs += [r.output_ids for r in res]
-        return stats, outputs
+
+class _Recorder:
+    """Per prompt, the PositionStat of every position the engine produced, and the sampled tokens."""
+
+    def __init__(self, gs: G.GoldenSet) -> None:
+        self.gs = gs
+        self.stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
+        self.outputs: List[List[int]] = []
+
+    def __call__(self, uid: int, start: int, lp: torch.Tensor) -> None:
+        lp = lp.cpu()
+        for i in range(lp.shape[0]):
+            self.stats[uid][start + i] = compare_row(lp[i], *_golden_row(self.gs.prompts[uid], start + i))
+
+
+def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
+    """Run the engine along one path: per prompt, the PositionStat of every position, and the sampled tokens."""
+    plan, rec = plan_path(path, device, dtype, gs), _Recorder(gs)
+    engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1),
+                                 **plan.engine_kwargs))
+    try:
+        for group, args in zip(plan.groups, plan.args):
+            res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
+                [plan.prompts[i] for i in group], plan.params,
+                on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp), **args)
+            rec.outputs += [r.output_ids for r in res]
+        return rec.stats, rec.outputs
     finally:
-        if engine is not None:
-            engine.shutdown()
+        engine.shutdown()
+
+
+def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, gs: G.GoldenSet,
+                 tp: int) -> Dict[str, tuple]:
+    """Every path on tp ranks (processes, harness.tp) in one launch, an engine per path and group; rank 0's logits
+    are compared. path name -> (stats, outputs) as run_path gives them."""
+    from harness.tp import TPRun, tp_generate_many
+
+    runs, owners = [], []
+    for path in paths:
+        plan = plan_path(path, device, dtype, gs)
+        for group, args in zip(plan.groups, plan.args):
+            runs.append(TPRun(str(zoo.path(model)), [plan.prompts[i] for i in group], plan.params,
+                              engine_kwargs=plan.engine_kwargs, record_logits=True,
+                              driver_kwargs={"max_prefill_tokens": plan.max_prefill_tokens}, **args))
+            owners.append((path.name, group))
+    recorders = {path.name: _Recorder(gs) for path in paths}
+    for (name, group), out in zip(owners, tp_generate_many(runs, tp)):
+        for uid, logits in out.logits.items():
+            recorders[name](group[0] + uid, 0, torch.log_softmax(logits, dim=-1))
+        recorders[name].outputs += [r.output_ids for r in out.results]
+    return {name: (rec.stats, rec.outputs) for name, rec in recorders.items()}
 
 
 def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], outputs: List[List[int]],
@@ -286,11 +319,11 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"],
                           tie_tolerance(gs, dtype, tol), gs.provenance.get("hf_spread"), tp=tp)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
-    for path in PATHS:
-        if (paths and path.name not in paths) or not path.applies_to(device):
-            continue
+    chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device)]
+    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
+    for path in chosen:
         logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
-        stats, outputs = run_path(path, model, device, dtype, gs, tp)
+        stats, outputs = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits)
         result.prompts += prompts

@@ -21,7 +21,7 @@ import torch
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
 from harness import oracle, report
-from harness.sampling_cases import Case, all_cases, describe
+from harness.sampling_cases import REAL_MODELS, Case, all_cases, describe
 from harness.sampling_stats import chi_square, detectable_tv, power_at, required_draws
 
 # (logits [rows, vocab] on the device, args with one uniform per row) -> tokens [rows]
@@ -197,11 +197,11 @@ def write_report(result: GridResult, device: str, out: Path, wall: float) -> Non
 
 
 def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
-            real: bool = True, update: bool = False) -> int:
+            real_models: Sequence[str] = REAL_MODELS, update: bool = False) -> int:
     """Run the grid, write the report (under `out`, else the report root: the committed reports/ only when
     `update`), print a short table; 0 when every check passes, 1 otherwise."""
     start = time.perf_counter()
-    result = run_grid(device, cases=all_cases(real=real), max_cost=max_cost, seed=seed)
+    result = run_grid(device, cases=all_cases(real_models), max_cost=max_cost, seed=seed)
     wall = time.perf_counter() - start
     out = out or report.report_root(update) / "sampling" / device.split(":")[0]
     write_report(result, device, out, wall)
@@ -221,7 +221,8 @@ def main_from_parity(update: bool = False) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, not args.no_real,
+    models = [] if args.no_real else (args.real_model or list(REAL_MODELS))
+    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
                    args.update_reports)
 
 
@@ -233,7 +234,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     report.add_update_flag(where)
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--max-cost", type=float, default=None,
-                   help="cap on draws x vocab per case; binds only the 49152-token cases "
+                   help="cap on draws x vocab per case; binds only the cases on real logits "
                         f"(default {DEFAULT_MAX_COST['cpu']:.1e} on cpu, {DEFAULT_MAX_COST['cuda']:.1e} on cuda)")
-    p.add_argument("--no-real", action="store_true", help="skip the cases on real SmolLM2 logits")
+    p.add_argument("--real-model", action="append", choices=list(REAL_MODELS),
+                   help=f"the models whose real logits make cases (default: {', '.join(REAL_MODELS)})")
+    p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
     p.set_defaults(func=_run)

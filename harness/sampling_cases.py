@@ -18,7 +18,7 @@ import torch
 from engine.core import SamplingParams
 
 NAN, NEG_INF = float("nan"), float("-inf")
-REAL_MODEL = "smollm2-135m"
+REAL_MODELS = ("smollm2-135m", "gemma3-270m")  # 49152 and 262144 tokens
 REAL_PROMPTS = ("Once upon a time, there was a", "The best way to learn")  # broad and medium entropy at T=1
 
 
@@ -103,7 +103,7 @@ def small_cases() -> List[Case]:
     ]
 
 
-def real_logits(prompts: Sequence[str] = REAL_PROMPTS, model: str = REAL_MODEL) -> np.ndarray:
+def real_logits(model: str, prompts: Sequence[str] = REAL_PROMPTS) -> np.ndarray:
     """The engine's next-token log-probabilities [len(prompts), vocab] float32 (CPU, fp32), through the driver.
 
     Log-probabilities are the logits shifted by a per-row constant, which no sampling rule can see."""
@@ -134,19 +134,20 @@ def real_logits(prompts: Sequence[str] = REAL_PROMPTS, model: str = REAL_MODEL) 
         torch.set_num_threads(threads)
 
 
-def real_cases(logits: np.ndarray | None = None) -> List[Case]:
-    """Two batches on real logits: temperature only (no sort in the sampler), and the filters."""
-    a, b = logits if logits is not None else real_logits()
+def real_cases(model: str = REAL_MODELS[0], logits: np.ndarray | None = None) -> List[Case]:
+    """Two batches on one model's real logits: temperature only (no sort in the sampler), and the filters."""
+    a, b = logits if logits is not None else real_logits(model)
+    tag = "real" if model == REAL_MODELS[0] else f"real-{model.split('-')[0]}"
     return [
-        Case("real-temperature", f"{REAL_MODEL}, 49152 tokens: temperature 1 and 0.7, greedy",
+        Case(f"{tag}-temperature", f"{model}, {a.shape[0]} tokens: temperature 1 and 0.7, greedy",
              _rows(a, b, a), [SP(1.0), SP(0.7), GREEDY]),
-        Case("real-filters", f"{REAL_MODEL}, 49152 tokens: top-k+top-p, top-p, min_p",
+        Case(f"{tag}-filters", f"{model}, {a.shape[0]} tokens: top-k+top-p, top-p, min_p",
              _rows(b, a, b), [SP(0.8, k=50, p=0.9), SP(1.0, p=0.8), SP(1.3, m=0.05)]),
     ]
 
 
-def all_cases(real: bool = True) -> List[Case]:
-    return small_cases() + (real_cases() if real else [])
+def all_cases(real_models: Sequence[str] = REAL_MODELS) -> List[Case]:
+    return small_cases() + [c for m in real_models for c in real_cases(m)]
 
 
 def describe(params: SamplingParams) -> str:

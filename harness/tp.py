@@ -182,6 +182,17 @@ def generate_on_rank(rank: int, size: int, port: int, run: TPRun) -> RankOutput:
         engine.shutdown()
 
 
+def generate_many_on_rank(rank: int, size: int, port: int, runs: List[TPRun]) -> List[RankOutput]:
+    """Several generations one after another, each with its own engine (a new TP world on the same port)."""
+    return [generate_on_rank(rank, size, port, run) for run in runs]
+
+
+def tp_generate_many(runs: List[TPRun], tp_size: int, timeout: float = 1800.0,
+                     port: int | None = None) -> List[RankOutput]:
+    """Every run in one launch of tp_size processes (process start-up and imports paid once); rank 0's outputs."""
+    return launch(generate_many_on_rank, tp_size, runs, timeout=timeout, port=port)[0]
+
+
 def tp_generate(run: TPRun, tp_size: int, all_ranks: bool = False, timeout: float = 600.0,
                 port: int | None = None) -> RankOutput | List[RankOutput]:
     """Run `run` on tp_size ranks (processes); rank 0's output, or every rank's in rank order."""

@@ -28,7 +28,7 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Roots:
 @pytest.fixture
 def one_sampling_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampling grid cut to its first small case: these tests are about where the report goes."""
-    monkeypatch.setattr(sampling, "all_cases", lambda real=True: small_cases()[:1])
+    monkeypatch.setattr(sampling, "all_cases", lambda real_models=(): small_cases()[:1])
 
 
 def files(root: Path) -> List[str]:
