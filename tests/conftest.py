@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Callable, Iterator, List
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
+from harness import golden as G
 from harness import zoo
 
 MODELS = ["smollm2-135m", "tiny-qwen3"]
@@ -29,6 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 def model_name(request: pytest.FixtureRequest) -> str:
     zoo.prepare(request.param)
     return request.param
+
+
+@pytest.fixture
+def golden_copy(tmp_path: Path) -> Path:
+    """A golden root holding a private copy of tiny-qwen3's CPU golden: to damage freely, and where a failing parity
+    run writes the engine's result (golden.obtained.*) instead of beside the committed golden."""
+    model, device, dtype = "tiny-qwen3", "cpu", "float32"
+    shutil.copytree(G.golden_dir(model, device, dtype), G.golden_dir(model, device, dtype, tmp_path))
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -14,13 +13,6 @@ from harness import golden as G
 from harness.parity import run_parity
 
 MODEL = "tiny-qwen3"
-
-
-@pytest.fixture
-def root(tmp_path):
-    """A private copy of the committed goldens, to damage freely."""
-    shutil.copytree(G.golden_dir(MODEL, "cpu", "float32"), G.golden_dir(MODEL, "cpu", "float32", tmp_path))
-    return tmp_path
 
 
 def digest(path) -> str:
@@ -32,17 +24,17 @@ def test_missing_golden_fails(tmp_path):
         run_parity(MODEL, paths=["batch"], golden_root=tmp_path)
 
 
-def test_matching_golden_passes(root):
-    assert run_parity(MODEL, paths=["batch"], golden_root=root).passed
+def test_matching_golden_passes(golden_copy):
+    assert run_parity(MODEL, paths=["batch"], golden_root=golden_copy).passed
 
 
-def test_drift_fails_and_leaves_the_golden_untouched(root):
-    folder = G.golden_dir(MODEL, "cpu", "float32", root)
+def test_drift_fails_and_leaves_the_golden_untouched(golden_copy):
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
     gs = G.load(folder)
     gs.prompts[2].decode_lp[5, 0] -= 0.05  # HF "said" something else at one decode position
     G.save(gs, folder)
     before = digest(folder / "golden.npz")
-    result = run_parity(MODEL, paths=["batch"], golden_root=root)
+    result = run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
     assert not result.passed
     bad = [p for p in result.prompts if not p.passed]
     assert [p.prompt for p in bad] == [gs.prompts[2].name] and "logprob error" in bad[0].reason
@@ -51,19 +43,19 @@ def test_drift_fails_and_leaves_the_golden_untouched(root):
 
 
 @pytest.mark.parametrize("key", ["weights_sha256", "tokenizer_sha256", "prompt_set_sha256", "dtype", "device_type"])
-def test_golden_made_for_something_else_is_refused(root, key):
-    prov_file = G.golden_dir(MODEL, "cpu", "float32", root) / "provenance.json"
+def test_golden_made_for_something_else_is_refused(golden_copy, key):
+    prov_file = G.golden_dir(MODEL, "cpu", "float32", golden_copy) / "provenance.json"
     prov = json.loads(prov_file.read_text())
     prov[key] = "something-else"
     prov_file.write_text(json.dumps(prov))
     with pytest.raises(G.GoldenError, match=rf"(?s){key}: golden has 'something-else'.*regenerate it: python -m harness "
                                             rf"golden --model tiny-qwen3 --device cpu --dtype float32"):
-        run_parity(MODEL, paths=["batch"], golden_root=root)
+        run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "missing-array", "no-provenance"])
-def test_corrupt_golden_is_refused_naming_the_file(root, damage):
-    folder = G.golden_dir(MODEL, "cpu", "float32", root)
+def test_corrupt_golden_is_refused_naming_the_file(golden_copy, damage):
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
     npz = folder / "golden.npz"
     if damage == "garbage":
         npz.write_bytes(b"not a zip file")
@@ -76,14 +68,14 @@ def test_corrupt_golden_is_refused_naming_the_file(root, damage):
     else:
         (folder / "provenance.json").unlink()
     with pytest.raises(G.GoldenError, match=str(folder)):
-        run_parity(MODEL, paths=["batch"], golden_root=root)
+        run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
 
 
-def test_regeneration_rewrites_the_golden(root):
-    folder = G.golden_dir(MODEL, "cpu", "float32", root)
+def test_regeneration_rewrites_the_golden(golden_copy):
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
     committed = G.load(folder)
     (folder / "golden.npz").write_bytes(b"stale")
     G.save(G.make_golden(MODEL), folder)
     fresh = G.load(folder)
     assert G.drift(committed, fresh)["token_mismatches"] == 0
-    assert run_parity(MODEL, paths=["batch"], golden_root=root).passed
+    assert run_parity(MODEL, paths=["batch"], golden_root=golden_copy).passed

@@ -49,11 +49,11 @@ PLANTED = {
 
 
 @pytest.mark.parametrize("bug", list(PLANTED))
-def test_planted_bug_is_caught(monkeypatch, bug):
+def test_planted_bug_is_caught(monkeypatch, golden_copy, bug):
     cls, name, fn = PLANTED[bug]
     monkeypatch.setattr(cls, name, fn)
-    result = run_parity("tiny-qwen3", paths=["batch"])
-    assert not result.passed
+    result = run_parity("tiny-qwen3", paths=["batch"], golden_root=golden_copy)
+    assert not result.passed and result.obtained.startswith(str(golden_copy))
 
 
 def test_tensor_parallel_engine_matches_committed_golden():
