@@ -29,7 +29,7 @@ from harness.driver import Driver
 from harness.report import add_update_flag
 
 logger = logging.getLogger(__name__)
-DEFAULT_MODELS = {"cpu": ["smollm2-135m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
+DEFAULT_MODELS = {"cpu": ["smollm2-135m", "gemma3-270m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 
@@ -115,9 +115,9 @@ def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) ->
     host = host_parts(records)
     replay = profile_replay(engine, bs) if runner == "engine" else None
     layers = engine.config.model_config.num_layers
-    out = {"model": model, "runner": runner, "batch_size": bs, "step_s": host["period"],
-           **{f"host_{k}_s": v for k, v in host.items() if k != "period"}, "bound": bound(host, replay and
-                                                                                          replay.replay_s)}
+    out = {"model": model, "runner": runner, "batch_size": bs, "step_s": host.pop("period"),
+           **{f"{k if k.startswith('host_') else 'host_' + k}_s": v for k, v in host.items()},
+           "bound": bound(host, replay and replay.replay_s)}
     if replay is not None:
         out.update(replay_s=replay.replay_s, replay_p10_s=replay.replay_p10_s, replay_p90_s=replay.replay_p90_s,
                    kernels_per_step=replay.kernels_per_step, kernels_per_layer=replay.kernels_per_step / layers,
@@ -184,7 +184,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--model", action="append", choices=list(zoo.MODELS),
-                   help="default: smollm2-135m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
+                   help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
     add_update_flag(p)
     p.set_defaults(func=_cmd)

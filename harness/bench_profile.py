@@ -13,6 +13,10 @@ import torch
 from harness.driver import StepRecord
 
 HOST_PARTS = ("build", "plan", "sample_prep", "launch", "process")  # the host's own work in a step
+# kernel name fragments -> what the kernel does (first match wins)
+CATEGORIES = (("attention", ("BatchDecode", "BatchPrefill", "MergeState", "Attention")),
+              ("kv write", ("AppendPagedKV", "index_copy")), ("norm", ("RMSNorm",)), ("rope", ("Rotary",)),
+              ("activation", ("act_and_mul",)), ("gemm", ("nvjet", "gemm", "Gemm", "splitK", "cutlass", "sm90_xmma")))
 COPY_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
 
 
@@ -85,3 +89,12 @@ def bound(host: Dict[str, float], replay_s: float | None) -> str:
                 f"(largest host part: {largest} {host[largest] * 1e3:.2f} ms)")
     return (f"host-bound: host busy {busy * 1e3:.2f} ms > replay {replay_s * 1e3:.2f} ms "
             f"(largest part: {largest} {host[largest] * 1e3:.2f} ms)")
+
+
+def by_category(kernels: List[Dict[str, Any]]) -> Dict[str, float]:
+    """GPU us per step by what the kernels do (gemm, attention, norm, rope, activation, kv write, other)."""
+    out: Dict[str, float] = defaultdict(float)
+    for k in kernels:
+        name = next((c for c, frags in CATEGORIES if any(f in k["kernel"] for f in frags)), "other")
+        out[name] += k["us_per_step"]
+    return dict(out)

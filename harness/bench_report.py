@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
+from harness.bench_profile import by_category
 from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
 
 COLUMNS = ["model", "runner", "workload", "batch_size", "length", "median_s", "p10_s", "p90_s", "samples",
@@ -93,6 +94,13 @@ def _profile_section(profiles: List[Dict[str, Any]]) -> str:
           "reading the tokens a step late; wait: blocked on them). host_busy is the sum of the parts the host works "
           "in; with overlap a step takes about max(host busy, GPU).\n\n"
           f"{markdown_table(graphs, PROFILE_COLUMNS)}\n")
+    cats = [{"model": p["model"], "batch_size": p["batch_size"], "replay_us": p["replay_s"] * 1e6,
+             **{k: v for k, v in sorted(by_category(p["top_kernels"]).items(), key=lambda kv: -kv[1])}}
+            for p in graphs if p["batch_size"] in (1, 256) and p.get("top_kernels")]
+    if cats:
+        md += ("GPU us per step by kind of kernel, from the 12 largest kernels of the replay (the rest is small "
+               "kernels and the gaps between them):\n\n"
+               f"{markdown_table(cats, ['model', 'batch_size', 'replay_us'] + list(dict.fromkeys(k for c in cats for k in c if k not in ('model', 'batch_size', 'replay_us'))))}\n")
     for p in graphs:
         if p["batch_size"] in (1, 256) and p.get("top_kernels"):
             md += (f"Largest kernels of a {p['model']} decode step at batch {p['batch_size']} (GPU us per step):\n\n"
@@ -142,7 +150,8 @@ def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
     rows = result["rows"]
     frame = pd.DataFrame(rows)
     frame.to_csv(out / "bench.csv", index=False)
-    prov = provenance(result["device"], dtype=result["dtype"])
+    # a result read back from its bench.json keeps the provenance of the run that measured it
+    prov = result.get("provenance") or provenance(result["device"], dtype=result["dtype"])
     tgt = targets(result)
     write_json(out / "bench.json", dict(result, provenance=prov, targets=tgt))
     plots = _plots(rows, out)

@@ -42,6 +42,29 @@ def summary_rows(result: "ParityResult") -> List[Dict[str, Any]]:
     return rows
 
 
+DIST_COLUMNS = ["path", "positions", "err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99", "limits",
+                "passed"]
+
+
+def distribution_rows(result: "ParityResult") -> List[Dict[str, Any]]:
+    """One row per path: the engine's error distribution, and the half-precision gate's limits on it."""
+    rows = []
+    for p in result.paths:
+        limits = "-" if p.limits is None else ", ".join(f"{k} {v:.3g}" for k, v in p.limits.items())
+        rows.append({"path": p.path, "positions": p.positions, **p.stats, "limits": limits,
+                     "passed": "PASS" if p.passed else f"FAIL: {p.reason}"})
+    return rows
+
+
+def _hf_line(result: "ParityResult") -> str:
+    s = result.hf_stats
+    if not s:
+        return ""
+    return (f"HF's own spread (eager vs sdpa on the golden's sequences, {s['positions']} positions): err p50 "
+            f"{s['err_p50']:.3g}, p90 {s['err_p90']:.3g}, p99 {s['err_p99']:.3g}, max {s['err_max']:.3g}; KL mean "
+            f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n")
+
+
 def write_report(result: "ParityResult", write_files: bool = True, update: bool = False) -> str:
     """Write the markdown and JSON reports (into the committed reports/ only when `update`); return the terminal
     summary."""
@@ -54,6 +77,10 @@ def write_report(result: "ParityResult", write_files: bool = True, update: bool 
     text = f"{head}\n{summary}"
     if failing:
         text += "\nfailing prompts:\n" + text_table(failing, ["path", "prompt", "passed", "divergence"])
+    bad_paths = [f"{p.path}: {p.reason}" for p in result.paths if not p.passed]
+    if bad_paths:
+        text += "\nfailing error distributions:\n  " + "\n  ".join(bad_paths)
+    if failing or bad_paths:
         text += f"\nthe engine's result, in the golden's format: {result.obtained}"
     if not write_files:
         return text
@@ -66,10 +93,14 @@ def write_report(result: "ParityResult", write_files: bool = True, update: bool 
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
           f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
+          f"## Error distribution per path\n{_hf_line(result)}"
+          f"{markdown_table(distribution_rows(result), DIST_COLUMNS)}\n"
           f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], COLUMNS)}\n"
           f"## Provenance\n{provenance_markdown(prov)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
     write_json(out.with_suffix(".json"), {"provenance": prov, "tol": result.tol, "hf_spread": result.hf_spread,
-                                          "passed": result.passed, "prompts": [asdict(p) for p in result.prompts]})
+                                          "tie_tol": result.tie_tol, "hf_spread_stats": result.hf_stats,
+                                          "passed": result.passed, "paths": [asdict(p) for p in result.paths],
+                                          "prompts": [asdict(p) for p in result.prompts]})
     return f"{text}\n{written_to(out.with_suffix('.md'), update)}"
