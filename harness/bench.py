@@ -184,7 +184,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--model", action="append", choices=list(zoo.MODELS),
-                   help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on cuda")
+                   help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m "
+                        "on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
     add_update_flag(p)
     p.set_defaults(func=_cmd)

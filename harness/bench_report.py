@@ -98,9 +98,10 @@ def _profile_section(profiles: List[Dict[str, Any]]) -> str:
              **{k: v for k, v in sorted(by_category(p["top_kernels"]).items(), key=lambda kv: -kv[1])}}
             for p in graphs if p["batch_size"] in (1, 256) and p.get("top_kernels")]
     if cats:
+        head = ["model", "batch_size", "replay_us"]
+        kinds = list(dict.fromkeys(k for c in cats for k in c if k not in head))
         md += ("GPU us per step by kind of kernel, from the 12 largest kernels of the replay (the rest is small "
-               "kernels and the gaps between them):\n\n"
-               f"{markdown_table(cats, ['model', 'batch_size', 'replay_us'] + list(dict.fromkeys(k for c in cats for k in c if k not in ('model', 'batch_size', 'replay_us'))))}\n")
+               f"kernels and the gaps between them):\n\n{markdown_table(cats, head + kinds)}\n")
     for p in graphs:
         if p["batch_size"] in (1, 256) and p.get("top_kernels"):
             md += (f"Largest kernels of a {p['model']} decode step at batch {p['batch_size']} (GPU us per step):\n\n"

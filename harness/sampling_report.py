@@ -13,9 +13,14 @@ METHOD = """\
 ## Method
 
 - **Oracle** (`harness/oracle.py`): the filtered distribution in float64 with numpy, written from the
-  specification and never calling `engine.sample`: temperature; top-k (ties ranked by a stable sort, lower id
-  first), renormalized; top-p keeping a token while the mass ranked strictly ahead of it is < p; min_p against the
-  full tempered distribution; the intersection, renormalized. Greedy rows: the argmax (lowest id among maxima).
+  specification and never calling `engine.sample`: temperature; top-k keeping every token whose probability is >=
+  the k-th largest (ties with the k-th stay), renormalized; top-p keeping every token whose probability is >= that
+  of the crossing token (the first, in descending order, at which the cumulative mass reaches p), so nothing
+  depends on the order of equal probabilities; min_p against the full tempered distribution; the intersection,
+  renormalized. Greedy rows: the argmax (lowest id among maxima).
+- **The sampler's draw** is an inverse CDF read at one uniform per row; the grid hands every drawn row a fresh
+  uniform from its own seeded generator. On CUDA the filters are FlashInfer's sort-free renorm kernels
+  (`top_k_renorm_probs`, `top_p_renorm_probs`), on the CPU the torch filter: the same rule, tested by the same grid.
 - **Exact checks** on every draw: greedy rows equal the argmax, NaN / all -inf rows give -1, and no draw falls
   outside the oracle's support. These have no false-alarm rate.
 - **Chi-square** (`scipy.stats.chisquare`) per row whose support has two or more tokens, after pooling every
@@ -28,7 +33,8 @@ METHOD = """\
   >= 4 N d^2, so power = P(ncx2(df, 4 N d^2) > chi2.isf(alpha, df)) is a guarantee against every shift of size d.
   N per case is the smallest count (iterated to the pooling's fixed point, since more draws split more
   categories out of the tail) giving that power at the target d for every row, unless draws x vocab exceeds the
-  cost cap (the 49152-token cases): those run at the cap and report the power they have.
+  cost cap (the cases on real logits, 49152 or 262144 tokens): those run at the cap and report the power they
+  have.
 - `pooled_mass` is the oracle mass inside the tail bin; a change that only moves mass within it is not seen by
   the chi-square test (the support check still applies to every token).
 """
@@ -51,16 +57,6 @@ def _settings(result: "GridResult", wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-FLASHINFER_TIES = """## FlashInfer at exact ties
-
-On CUDA the sampler draws through FlashInfer's rejection sampling (`sample_flashinfer`). Where the k-th token is
-exactly tied with the next, or the top-p boundary falls exactly on a cumulative sum, FlashInfer's pivot keeps every
-token at the boundary probability, a superset of the stable-sort rule of `sample_torch` and the oracle (lower id
-first, mass strictly ahead < p). The `tie-top-k`, `tie-top-p` and `top-p-exact` cases plant such ties, so their
-support checks fail on this path; every case without an exact boundary tie matches the oracle.
-"""
-
-
 def markdown(result: "GridResult", table_rows: Sequence[Dict[str, Any]], columns: List[str],
              prov: Dict[str, Any], wall: float) -> str:
     verdict = "PASS" if result.passed else f"FAIL ({', '.join(result.failed_cases())})"
@@ -68,7 +64,6 @@ def markdown(result: "GridResult", table_rows: Sequence[Dict[str, Any]], columns
         f"# Sampler distribution tests: {verdict}\n",
         _settings(result, wall),
         METHOD,
-        FLASHINFER_TIES if str(prov.get("device", "")).startswith("cuda") else "",
         "## Results\n",
         report.markdown_table(table_rows, columns),
         "## Provenance\n",

@@ -38,7 +38,8 @@ def test_unsupported_architecture(tmp_path):
     cfg = json.loads((zoo.path("tiny-qwen3") / "config.json").read_text())
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Gemma3ForCausalLM, Llama"):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Gemma3ForCausalLM, "
+                       "Llama"):
         Engine(config(tmp_path))
 
 

@@ -18,7 +18,6 @@ from harness import golden as G
 from harness.parity import run_parity
 from harness.parity_report import write_report
 
-
 # gemma3-270m needs 238 MB of wheels and about 2.5 minutes of conversion before its parity: `nox -s parity` runs it
 CI_MODELS = [m for m in G.GOLDEN_MODELS if m != "gemma3-270m"]
 
@@ -81,7 +80,8 @@ GEMMA_PLANTED = {  # Gemma 3 features the other models lack
 @pytest.mark.parametrize("bug", list(GEMMA_PLANTED))
 def test_planted_gemma_bug_is_caught(monkeypatch, bug, tmp_path):
     target, name, fn = GEMMA_PLANTED[bug]
-    shutil.copytree(G.golden_dir("tiny-gemma3", "cpu", "float32"), G.golden_dir("tiny-gemma3", "cpu", "float32", tmp_path))
+    where = ("tiny-gemma3", "cpu", "float32")
+    shutil.copytree(G.golden_dir(*where), G.golden_dir(*where, root=tmp_path))
     monkeypatch.setattr(target, name, fn)
     result = run_parity("tiny-gemma3", paths=["batch"], golden_root=tmp_path)
     assert not result.passed
