@@ -25,7 +25,8 @@ class KVCachePool:
         return self._kv[1, layer_id]
 
     def store_kv(self, kv: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        """kv [N, 2, Hkv, D] (K and V, any strides) written at slots out_loc [N] int64: one kernel for both."""
+        """kv [N, 2, Hkv, D] (K and V, any strides) written at slots out_loc [N] int64 by one index_copy_ (the
+        torch backend's store; FlashInfer's backend appends through its own kernel)."""
         pool = self._kv[:, layer_id].view(2, -1, *kv.shape[2:])  # [2, slots, Hkv, D]
         pool.index_copy_(1, out_loc, kv.transpose(0, 1))
 

@@ -216,9 +216,10 @@ class Driver:
         stop at EOS, give their slot and pages back first (stream order keeps their in-flight writes before any
         later use); then a prefill of whatever fits, or a decode of the rest."""
         t0 = time.perf_counter()
-        for r in [r for r in running if r.launched >= r.max_tokens or r.result.finish_reason]:
-            running.remove(r)
+        done = [r.launched >= r.max_tokens or bool(r.result.finish_reason) for r in running]
+        for r in (r for r, d in zip(running, done) if d):
             self._release(r)
+        running[:] = [r for r, d in zip(running, done) if not d]
         admitted = self._admit(waiting)
         if admitted:
             running += admitted

@@ -29,7 +29,7 @@ SampleFn = Callable[[torch.Tensor, BatchSamplingArgs], torch.Tensor]
 
 MIN_MARGIN = 1e-5  # a float32 sampler may decide a threshold comparison closer than ~1e-6 differently
 CHUNK_ELEMENTS = 1 << 24  # logits elements per sample call: 64 MiB of float32 (the sort holds a few copies)
-# draws x vocab per case: on 2 CPU cores ~5000 draws per row at 49152 tokens (~2 minutes); a GPU affords full power
+# draws x vocab per case: on 2 CPU cores ~5000 draws per row at 49152 tokens, ~950 at 262144; a GPU affords full power
 DEFAULT_MAX_COST = {"cpu": 2.5e8, "cuda": 1e11}
 GREEDY_ONLY_DRAWS = 2000  # cases without a random row only need enough draws to show they never stray
 

@@ -2,8 +2,9 @@
 
 Small rows use vocabularies whose ranking is not the id order (a sort or scatter slip shows), and keep every
 top-p / min_p threshold well clear of the mass it is compared with; the tie cases put exact ties (equal float32
-logits) on the top-k and top-p boundaries, where every tied token must stay. Real rows come from SmolLM2-135M run by the engine itself, through the harness's
-driver (49152 tokens; computed on each run, never cached).
+logits) on the top-k and top-p boundaries, where every tied token must stay. Real rows come from SmolLM2-135M and
+Gemma 3 270M run by the engine itself, through the harness's driver (49152 and 262144 tokens; computed on each run,
+never cached).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 # golden and parity cover bf16 and fp32 for the given models (default: the GPU golden models); spread measures HF's
 # sdpa-vs-eager spread again on each committed bf16 golden (its provenance only); tp runs parity with 2 ranks over
 # NCCL when 2 GPUs are visible. Results land in golden/ and reports/ (--update-reports), ready to commit.
-# Set ENGINE_ZOO_GGUF to convert a local SmolLM2 GGUF without a registry.
+# Set ENGINE_ZOO_GGUF to convert a local SmolLM2 GGUF without a registry; SAMPLING_ARGS="--real-model smollm2-135m"
+# leaves Gemma 3's real logits out of the sampling stage when gemma3-270m is not staged.
 set -uo pipefail
 stage=${1:-all}; shift || true
 models=("${@:-smollm2-135m tiny-qwen3 tiny-qwen3-untied tiny-gemma3}")
