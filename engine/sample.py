@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.core import Batch, SamplingParams
-from engine.utils.device import make_device_tensor
+from engine.utils.device import has_flashinfer, make_device_tensor
 
 MIN_T = MIN_P = 1e-6
 INVALID_TOKEN = -1
@@ -88,7 +88,7 @@ class Sampler:
             return torch.where(torch.isfinite(top), tokens, INVALID_TOKEN)
         valid = torch.isfinite(logits.amax(dim=-1))
         logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
-        impl = sample_flashinfer if logits.is_cuda and _has_flashinfer() else sample_torch
+        impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
         tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, args.uniforms)
         if args.greedy is not None:
             tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
@@ -173,14 +173,6 @@ def sample_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, top_k: t
     tokens wherever the two filters' float32 probabilities agree."""
     probs = filtered_probs_flashinfer(logits, temperatures, top_k, top_p, min_p)
     return inverse_cdf(probs, _uniforms_or_random(uniforms, probs.shape[0], probs.device, generator))
-
-
-def _has_flashinfer() -> bool:
-    try:
-        import flashinfer.sampling  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- per-row uniforms

@@ -31,6 +31,7 @@ import torch
 from engine import Engine, ForwardOutput
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import INVALID_TOKEN
+from engine.utils.device import make_device_tensor, pin
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,6 @@ class Driver:
         self.row_pages: Dict[int, np.ndarray] = {}  # each occupied row's pages (host), for prefill slots
         # each row's tokens by position, on the device: a decode step's input ids come from here
         self.token_pool = torch.zeros_like(engine.page_table)
-        self.pin = engine.device.type == "cuda"
         self.steps: List[StepRecord] = []  # every forward, for benchmarks
 
     @torch.inference_mode()
@@ -196,10 +196,9 @@ class Driver:
             waiting.popleft()
             budget -= len(prompt)
             row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
-            slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size
-                     + torch.arange(self.page_size, dtype=torch.int32)).flatten()
-            self.engine.page_table[row, : len(slots)].copy_(self._to_device(slots))
             self.row_pages[row] = np.array(pages, dtype=np.int64)
+            slots = self._slots(row, np.arange(npages * self.page_size))
+            self.engine.page_table[row, : len(slots)].copy_(self._to_device(torch.from_numpy(slots).int()))
             req = Req(input_ids=torch.tensor(prompt, dtype=torch.int32), table_idx=row, cached_len=0,
                       output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
             admitted.append(_Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len))
@@ -256,11 +255,15 @@ class Driver:
         record.host["build"] = time.perf_counter() - t0
         return _Step(phase, members, spans, record, batch)
 
+    def _rows_positions(self, reqs: List[Req]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each request's row and last position (device_len - 1) on the device, in one host-to-device copy."""
+        both = make_device_tensor([[r.table_idx for r in reqs], [r.device_len - 1 for r in reqs]], torch.int64,
+                                  self.engine.device)
+        return both[0], both[1]
+
     def _decode_inputs(self, batch: Batch) -> None:
-        """One host-to-device copy of (row, position) per request; ids and slots are gathered on the device."""
-        host = torch.tensor([[r.table_idx for r in batch.reqs], [r.device_len - 1 for r in batch.reqs]],
-                            dtype=torch.int64, pin_memory=self.pin)
-        rows, positions = host.to(self.engine.device, non_blocking=True).unbind(0)
+        """The inputs of the tokens sampled last step: ids and slots gathered on the device at (row, position)."""
+        rows, positions = self._rows_positions(batch.reqs)
         batch.input_ids = self.token_pool[rows, positions]
         batch.out_loc = self.engine.page_table[rows, positions].long()
         batch.positions = positions.int()
@@ -300,14 +303,13 @@ class Driver:
         self.steps.append(step.record)
 
     def _feed_back(self, step: _Step) -> None:
-        rows_pos = torch.tensor([[r.req.table_idx for r in step.members], [r.req.device_len - 1 for r in step.members]],
-                                dtype=torch.int64, pin_memory=self.pin)
-        rows, positions = rows_pos.to(self.engine.device, non_blocking=True).unbind(0)
+        # forward_batch moved each request on: its last position is now the sampled token's
+        rows, positions = self._rows_positions([r.req for r in step.members])
         self.token_pool[rows, positions] = step.out.next_tokens_gpu[: len(step.members)]
         forced = [(i, r.forced[r.launched]) for i, r in enumerate(step.members) if r.forced is not None]
         if forced:
             idx, tokens = zip(*forced)
-            values = self._to_device(torch.tensor(tokens, dtype=torch.int32))
+            values = make_device_tensor(list(tokens), torch.int32, self.engine.device)
             self.token_pool[rows[list(idx)], positions[list(idx)]] = values
 
     def _process(self, step: _Step, eos: frozenset, results: Dict[int, GenResult],
@@ -343,7 +345,7 @@ class Driver:
 
     # ---------------------------------------------------------------------------------------- helpers
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return (host.pin_memory() if self.pin else host).to(self.engine.device, non_blocking=True)
+        return (host.pin_memory() if pin(self.engine.device) else host).to(self.engine.device, non_blocking=True)
 
     def _close_records(self, first: int) -> None:
         end = time.perf_counter()

@@ -147,6 +147,11 @@ def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str) ->
     return spread_summary(errs, kls)
 
 
+def _sequences(prompts: List[PromptGolden]) -> List[List[int]]:
+    """Each prompt followed by its greedy continuation: what HF's spread is measured on."""
+    return [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in prompts]
+
+
 def _spread_provenance(stats: Dict[str, Any]) -> Dict[str, Any]:
     return {"hf_spread_max_abs_logprob": stats["err_max"], "hf_spread": stats,
             "hf_spread_definition": SPREAD_DEFINITION}
@@ -175,7 +180,7 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         decode_ids, decode_lp = _topk(torch.stack(res.logits)[:, 0], TOP_K)
         out.append(PromptGolden(p["name"], np.array(pid, dtype=np.int32), tokens.int().cpu().numpy(),
                                 prefill_ids, prefill_lp, decode_ids, decode_lp))
-    stats = hf_spread(hf, hf_eager, [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in out], device)
+    stats = hf_spread(hf, hf_eager, _sequences(out), device)
     dtype_name = str(dtype).removeprefix("torch.")
     prov = provenance(device, **expected_identity(model, device.split(":")[0], dtype_name),
                       top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", **_spread_provenance(stats))
@@ -189,8 +194,7 @@ def refresh_spread(model: str, device: str, dtype: torch.dtype, root: Path = GOL
     dtype_name = str(dtype).removeprefix("torch.")
     gs = load_checked(model, device.split(":")[0], dtype_name, root)
     hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
-    stats = hf_spread(hf, hf_eager, [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in gs.prompts],
-                      device)
+    stats = hf_spread(hf, hf_eager, _sequences(gs.prompts), device)
     folder = golden_dir(model, device.split(":")[0], dtype_name, root)
     prov = dict(gs.provenance, **_spread_provenance(stats), hf_spread_measured=provenance(device)["date"])
     prov["prompt_names"] = [p.name for p in gs.prompts]

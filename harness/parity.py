@@ -128,10 +128,9 @@ def dist_limits(gs: G.GoldenSet, dtype: str) -> Dict[str, float] | None:
     return {k: max(DIST_FACTOR[k] * stats[k], floors[k]) for k in GATED}
 
 
-def tie_tolerance(gs: G.GoldenSet, dtype: str, tol: float) -> float:
-    if dtype in HALF:
-        return 2 * max(DIST_FACTOR["err_p99"] * gs.provenance["hf_spread"]["err_p99"], FLOOR[dtype])
-    return 2 * tol
+def tie_tolerance(tol: float, limits: Dict[str, float] | None) -> float:
+    """Twice what one log-probability may move: tol, or in half precision the gate's 99th-percentile err limit."""
+    return 2 * (tol if limits is None else limits["err_p99"])
 
 
 def path_stats(errs: List[float], kls: List[float]) -> Dict[str, float]:
@@ -147,7 +146,7 @@ def check_path(name: str, errs: List[float], kls: List[float], limits: Dict[str,
     return res
 
 
-def _golden_row(pg: G.PromptGolden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+def golden_row(pg: G.PromptGolden, pos: int) -> tuple[np.ndarray, np.ndarray]:
     """The golden's top-K (ids, logprobs) for the distribution predicted at absolute position pos."""
     n = len(pg.prompt_ids)
     return (pg.prefill_ids[pos], pg.prefill_lp[pos]) if pos < n else (pg.decode_ids[pos - n + 1],
@@ -254,7 +253,7 @@ class _Recorder:
     def __call__(self, uid: int, start: int, lp: torch.Tensor) -> None:
         lp = lp.cpu()
         for i in range(lp.shape[0]):
-            self.stats[uid][start + i] = compare_row(lp[i], *_golden_row(self.gs.prompts[uid], start + i))
+            self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
 
 
 def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
@@ -317,7 +316,7 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     tol, limits = tolerance(gs, dtype), dist_limits(gs, dtype)
     result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"],
-                          tie_tolerance(gs, dtype, tol), gs.provenance.get("hf_spread"), tp=tp)
+                          tie_tolerance(tol, limits), gs.provenance.get("hf_spread"), tp=tp)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}

@@ -13,7 +13,7 @@ from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.core import get_global_ctx
 from engine.layers.ops import FlashInferOps
 from harness import golden as G
-from harness.parity import compare_row, dist_limits, evaluate, run_parity, tie_tolerance, tolerance
+from harness.parity import compare_row, dist_limits, evaluate, golden_row, run_parity, tie_tolerance, tolerance
 from harness.parity_paths import PATHS
 
 pytestmark = pytest.mark.cuda
@@ -91,17 +91,12 @@ def test_hf_eager_against_the_sdpa_golden_passes_the_gate():
     stats, outputs = {}, []
     with torch.inference_mode():
         for uid, pg in enumerate(gs.prompts):
-            seq = torch.tensor([np.concatenate([pg.prompt_ids, pg.tokens[:-1]])], device="cuda")
+            seq = torch.from_numpy(np.concatenate([pg.prompt_ids, pg.tokens[:-1]]).astype(np.int64))[None].cuda()
             lp = torch.log_softmax(eager(seq).logits[0].float(), -1).cpu()
-            n = len(pg.prompt_ids)
-            rows = [(pg.prefill_ids[i], pg.prefill_lp[i]) if i < n else (pg.decode_ids[i - n + 1],
-                                                                          pg.decode_lp[i - n + 1])
-                    for i in range(lp.shape[0])]
-            stats[uid] = {i: compare_row(lp[i], *rows[i]) for i in range(lp.shape[0])}
+            stats[uid] = {i: compare_row(lp[i], *golden_row(pg, i)) for i in range(lp.shape[0])}
             outputs.append([])
-    tol = tolerance(gs, "bfloat16")
+    tol, limits = tolerance(gs, "bfloat16"), dist_limits(gs, "bfloat16")
     path = next(p for p in PATHS if p.name == "batch")  # teacher-forced, every position compared
-    prompts, result = evaluate(path, gs, stats, outputs, tol, tie_tolerance(gs, "bfloat16", tol),
-                               dist_limits(gs, "bfloat16"))
+    prompts, result = evaluate(path, gs, stats, outputs, tol, tie_tolerance(tol, limits), limits)
     print(f"HF eager vs sdpa golden: {result.stats} limits {result.limits}")
     assert result.passed and all(p.passed for p in prompts), [p.reason for p in prompts if not p.passed]

@@ -6,6 +6,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, BaseAttnMetadata
 from engine.models.config import ModelConfig
+from engine.utils.device import has_flashinfer
 
 BACKENDS = ("torch", "flashinfer")
 
@@ -13,14 +14,8 @@ BACKENDS = ("torch", "flashinfer")
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """"auto" -> flashinfer on CUDA for half precision when it is installed, torch otherwise."""
     if name == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            try:
-                import flashinfer  # noqa: F401
-
-                return "flashinfer"
-            except ImportError:
-                return "torch"
-        return "torch"
+        half = dtype in (torch.float16, torch.bfloat16)
+        return "flashinfer" if device.type == "cuda" and half and has_flashinfer() else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if name == "flashinfer" and device.type != "cuda":

@@ -41,7 +41,6 @@ class _PageLists:
     kv_indptr: torch.Tensor  # [bs + 1] int32, pinned host, in pages
     last_page_len: torch.Tensor  # [bs] int32, pinned host
     kv_indices: torch.Tensor  # [total pages] int32, device: page ids
-    device: torch.Tensor  # [3 bs + 1] int32, device: kv_indptr | last_page_len | extend lengths
     key: tuple  # what a graph decode plan depends on
 
 
@@ -86,7 +85,6 @@ class FlashInferBackend(AttentionBackend):
         indptrs[1, 1:] = num_pages.cumsum(0)
         indptrs[2, :n] = (kv_lens - 1) % ps + 1
         total = int(indptrs[1, n])
-        small = torch.cat([indptrs[1], indptrs[2, :n], ext.int()]).pin_memory().to(self.device, non_blocking=True)
         # page ids: page_table[row, j * page_size] // page_size for page j of each request, in one gather
         dev = torch.cat([rows, num_pages, indptrs[1, :n].long()]).pin_memory().to(self.device, non_blocking=True)
         rows_d, pages_d, starts_d = dev.split(n)
@@ -95,7 +93,7 @@ class FlashInferBackend(AttentionBackend):
         slots = ctx.page_table[rows_d[owner], page_col]
         indices = slots if ps == 1 else torch.div(slots, ps, rounding_mode="floor")
         lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(), small,
+        return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(),
                           (n, tuple(rows.tolist()), tuple(lens.tolist())))
 
     def _plan_args(self, window_left: int) -> dict:
@@ -117,24 +115,28 @@ class FlashInferBackend(AttentionBackend):
             self._plan_graph(batch.padded_size, graph, lists)
         else:
             wrappers = self.decode
-            for w, wrapper in wrappers.items():
-                wrapper.plan(lists.kv_indptr, lists.kv_indices, lists.last_page_len, head_dim=self.head_dim,
-                             **self._plan_args(w))
+            self._plan_decode(wrappers, lists)
         self.planned.record()
         batch.attn_metadata = self._metadata(batch, lists, wrappers, graph is not None)
 
+    def _plan_decode(self, wrappers: Dict[int, Any], lists: _PageLists) -> None:
+        for w, wrapper in wrappers.items():
+            wrapper.plan(lists.kv_indptr, lists.kv_indices, lists.last_page_len, head_dim=self.head_dim,
+                         **self._plan_args(w))
+
     def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any], graph: bool) -> FlashInferMetadata:
-        n, tokens = batch.padded_size, int(lists.qo_indptr[-1])
-        kv_indptr, last_page_len, ext = lists.device.split([n + 1, n, n])
-        if graph:  # the static buffers the captured graph reads
-            kv_indptr, kv_indices = self.graph_indptr[: n + 1], self.graph_indices
-            last_page_len, batch_indices = self.graph_last_page_len[:n], self.graph_batch_indices[:n]
-        else:
-            kv_indices = lists.kv_indices
-            batch_indices = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=self.device), ext,
-                                                    output_size=tokens)
-        return FlashInferMetadata(cu_seqlens_q=lists.qo_indptr.to(self.device, non_blocking=True), wrappers=wrappers,
-                                  kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last_page_len,
+        n = batch.padded_size
+        if graph:  # the static buffers the captured graph reads (filled by the plan)
+            return FlashInferMetadata(
+                cu_seqlens_q=lists.qo_indptr.to(self.device, non_blocking=True), wrappers=wrappers,
+                kv_indptr=self.graph_indptr[: n + 1], kv_indices=self.graph_indices,
+                last_page_len=self.graph_last_page_len[:n], batch_indices=self.graph_batch_indices[:n])
+        host = torch.cat([lists.qo_indptr, lists.kv_indptr, lists.last_page_len]).pin_memory()
+        qo_indptr, kv_indptr, last_page_len = host.to(self.device, non_blocking=True).split([n + 1, n + 1, n])
+        batch_indices = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=self.device),
+                                                qo_indptr.diff(), output_size=int(lists.qo_indptr[-1]))
+        return FlashInferMetadata(cu_seqlens_q=qo_indptr, wrappers=wrappers, kv_indptr=kv_indptr,
+                                  kv_indices=lists.kv_indices, last_page_len=last_page_len,
                                   batch_indices=batch_indices)
 
     def _plan_graph(self, bs: int, wrappers: Dict[int, Any], lists: _PageLists) -> None:
@@ -187,9 +189,7 @@ class FlashInferBackend(AttentionBackend):
             kv_layout="NHD", use_tensor_cores=self.use_tensor_cores) for w in self.windows}
         lists = self._page_lists(batch)
         self.planned.synchronize()
-        for w, wrapper in self.graph_wrappers[bs].items():
-            wrapper.plan(lists.kv_indptr, lists.kv_indices, lists.last_page_len, head_dim=self.head_dim,
-                         **self._plan_args(w))
+        self._plan_decode(self.graph_wrappers[bs], lists)
         self.planned.record()
         self.graph_plan = None
         batch.attn_metadata = self._metadata(batch, lists, self.graph_wrappers[bs], graph=True)

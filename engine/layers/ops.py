@@ -16,11 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.utils.device import has_flashinfer
+
 OPS_BACKENDS = ("torch", "flashinfer")
 
 
 class TorchOps:
-    name = "torch"
+    """The readable definition of each op, with HF's numerics."""
 
     def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
         """The cos | sin table [max_pos, D] in fp32 -> what rope_ reads: HF casts cos/sin to the model dtype."""
@@ -64,8 +66,6 @@ class FlashInferOps(TorchOps):
     """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
     [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul."""
 
-    name = "flashinfer"
-
     def __init__(self) -> None:
         import flashinfer
 
@@ -103,18 +103,11 @@ def _unit(offset: float) -> bool:
     return offset == 1.0
 
 
-
 def resolve_ops_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """"auto" -> flashinfer on CUDA in half precision when it is installed (its kernels have no fp32), torch else."""
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if device.type != "cuda" or not half:
-            return "torch"
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "flashinfer"
+        return "flashinfer" if device.type == "cuda" and half and has_flashinfer() else "torch"
     if name not in OPS_BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; choose one of: auto, {', '.join(OPS_BACKENDS)}")
     if name == "flashinfer" and (device.type != "cuda" or not half):

@@ -41,10 +41,6 @@ class ModelConfig:
     sandwich_norm: bool = False  # a norm after attention and after the MLP too, before the residual add (Gemma)
     is_moe: bool = False
 
-    @property
-    def has_sliding_window(self) -> bool:
-        return "sliding" in self.layer_types
-
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
         arch = (getattr(hf, "architectures", None) or ["<none>"])[0]

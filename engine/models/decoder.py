@@ -37,9 +37,8 @@ class SelfAttention(nn.Module):
         self.head_dim = d = config.head_dim
         qkv_out = (self.num_qo_heads + 2 * self.num_kv_heads) * d
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.attention_bias)
-        norm = (lambda: RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops)) if config.qk_norm else None
-        self.q_norm = norm() if norm else None
-        self.k_norm = norm() if norm else None
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.attn = AttentionLayer(layer_id, rotary)
         self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -46,6 +47,16 @@ def set_stream(stream: Any) -> None:
 
 def create_event(device: torch.device) -> Any:
     return torch.cuda.Event() if is_cuda(device) else NullEvent()
+
+
+@functools.cache
+def has_flashinfer() -> bool:
+    """Whether FlashInfer (the CUDA kernels for attention, sampling filters and the small ops) is installed."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pin(device: torch.device) -> bool:
