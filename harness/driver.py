@@ -41,6 +41,30 @@ Phase = Literal["prefill", "decode"]
 
 
 @dataclass
+class LiveRequest:
+    """A request that holds a slot and pages, as a step hook sees it."""
+
+    uid: int
+    row: int  # its page-table row
+    pages: List[int]
+    written: int  # positions [0, written) have K/V in its pages once the launched forwards complete
+
+
+@dataclass
+class StepView:
+    """A forward just launched (its writes land once the device catches up) and every request holding pages."""
+
+    phase: Phase
+    batch: Batch
+    spans: List[Tuple[int, int, int]]  # (uid, first position, tokens) the forward feeds, and writes K/V for
+    live: List[LiveRequest]
+    free_pages: List[int]
+
+
+StepHook = Callable[[StepView], None]
+
+
+@dataclass
 class StepRecord:
     """One forward as the driver saw it. Host seconds by part; `seconds` is the step's period: from its launch to
     the next step's launch (or to the end of the run), which with overlap is the rate steps complete at."""
@@ -127,12 +151,14 @@ class Driver:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  eos_ids: Sequence[int] = (), forced: Sequence[Sequence[int]] | None = None,
-                 prefix_lens: Sequence[int] | None = None, on_logits: LogitsHook | None = None) -> List[GenResult]:
+                 prefix_lens: Sequence[int] | None = None, on_logits: LogitsHook | None = None,
+                 on_step: StepHook | None = None) -> List[GenResult]:
         """Run every prompt to completion; results in prompt order.
 
         forced: feed these tokens instead of the sampled ones (teacher forcing); each request then makes
         len(forced[i]) steps. prefix_lens: prefill that many prompt tokens first, then the rest as an extend over
-        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position.
+        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position. on_step: called
+        after every launch, to check the pool and the pages between steps.
         """
         n = len(prompts)
         plist = list(params) if isinstance(params, Sequence) else [params] * n
@@ -152,6 +178,10 @@ class Driver:
             steps = self._schedule(waiting, running, on_logits)
             for step in steps:
                 self._launch(step)
+                if on_step is not None:
+                    on_step(StepView(step.phase, step.batch, step.spans, [
+                        LiveRequest(r.req.uid, r.req.table_idx, r.pages, r.req.cached_len) for r in running],
+                        list(self.pages.free_pages)))
             if self.overlap:
                 for step in pending:
                     self._process(step, eos, results, on_logits)
