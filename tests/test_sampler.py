@@ -11,9 +11,9 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import Sampler, filtered_probs
-from harness.oracle import filtered_distribution
-from harness.sampling import make_batch
-from harness.sampling_cases import small_cases
+from harness.sampling.cases import small_cases
+from harness.sampling.oracle import filtered_distribution
+from harness.sampling.run import make_batch
 
 CPU = torch.device("cpu")
 SPEC_LOGITS = [5.0, 4.0, 3.0, 0.0, 0.0, 0.0]
@@ -67,7 +67,7 @@ def test_the_first_draw_is_the_keyed_one_and_later_draws_are_fresh() -> None:
 
 def test_repeated_draws_on_one_args_are_independent() -> None:
     """Pairs (draw d, draw d + 1), d even, of 64 rows against the product of the oracle's marginals."""
-    from harness.sampling_stats import chi_square
+    from harness.sampling.stats import chi_square
 
     row = np.array([1.0, 0.4, 0.0, -0.3, -1.0, 0.7])
     sampler = Sampler(CPU, 6)

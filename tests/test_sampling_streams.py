@@ -1,4 +1,4 @@
-"""The draws users get (harness/sampling_streams.py): tokens through Sampler.prepare / sample as the driver calls
+"""The draws users get (harness/sampling/streams.py): tokens through Sampler.prepare / sample as the driver calls
 them are independent across positions and across requests, and each position's marginal is the oracle's filtered
 distribution, at the stated power; planted faults in the uniforms fail."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.sampling_streams import POWER, TV_MARGINAL, TV_PAIRS, FaultySampler, run_streams
+from harness.sampling.streams import POWER, TV_MARGINAL, TV_PAIRS, FaultySampler, run_streams
 
 # the test kind each fault must fail
 FAULTS = {"position-blind": "pairs (t, t+1)", "chained": "pairs (t, t+1)", "uid-blind": "two requests at t",

@@ -5,7 +5,7 @@ A run builds many requests per case (half with a seed of their own, half on the 
 lengths) and steps them as the driver does: one prepare per step on a Batch of Req (prefill first, then decodes,
 the rows in a new order every step as continuous batching moves them), forward_batch's complete_one, one sample.
 Every request sees the same logits at every position, so under a correct sampler its tokens are independent draws
-from the oracle's filtered distribution p. Per case, chi-square goodness of fit (harness.sampling_stats) of:
+from the oracle's filtered distribution p. Per case, chi-square goodness of fit (harness.sampling.stats) of:
 - each position's tokens across requests against p (the marginal at every position);
 - pairs (token at t, token at t + 1) of each request, t even and t odd (disjoint pairs), against p x p;
 - pairs of two requests at the same position (disjoint pairs of requests, both seeded or both on the sampler's
@@ -26,8 +26,8 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness.oracle import filtered_distribution
-from harness.sampling_stats import chi_square, detectable_tv, required_draws
+from harness.sampling.oracle import filtered_distribution
+from harness.sampling.stats import chi_square, detectable_tv, required_draws
 
 LOGITS = np.array([2.0, 1.2, 0.7, 0.0, -0.5, -1.5])
 CASES: Dict[str, SamplingParams] = {
