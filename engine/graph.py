@@ -46,6 +46,7 @@ class GraphRunner:
                  cuda_graph_bs: List[int], dummy_req: Req, prefill_tokens: List[int] = (),
                  prefill_max_reqs: int = 1) -> None:
         self.device, self.model, self.dummy_req = device, model, dummy_req
+        self.attn_backend = attn_backend
         self.graph_bs = sorted(cuda_graph_bs) if is_cuda(device) else []
         self.prefill_tokens = sorted(prefill_tokens) if is_cuda(device) else []
         self.prefill_max_reqs = prefill_max_reqs
@@ -65,8 +66,8 @@ class GraphRunner:
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         # The prefill graphs first, largest first: the pool they size is reused by the smaller ones and by decode.
-        pool = self._capture_prefill(stream, attn_backend)
-        self._capture_decode(stream, attn_backend, pool)
+        pool = self._capture_prefill(stream)
+        self._capture_decode(stream, pool)
         torch.cuda.synchronize(device)
         self.memory_used = free_before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d decode graphs (bs %s) and %d prefill graphs (tokens %s) using %.1f MiB",
@@ -82,11 +83,11 @@ class GraphRunner:
         return self.prefill_tokens[-1] if self.prefill_tokens else 0
 
     # ------------------------------------------------------------------ capture
-    def _capture_prefill(self, stream: Any, attn_backend: AttentionBackend) -> Any:
+    def _capture_prefill(self, stream: Any) -> Any:
         if not self.prefill_tokens:
             return None
         ctx = get_global_ctx()
-        attn_backend.init_prefill_graphs(self.prefill_max_reqs, self.max_prefill_tokens, ctx.page_table.shape[1],
+        self.attn_backend.init_prefill_graphs(self.prefill_max_reqs, self.max_prefill_tokens, ctx.page_table.shape[1],
                                          self.dummy_req.table_idx)
         pool = None
         for t in tqdm(reversed(self.prefill_tokens), total=len(self.prefill_tokens),
@@ -94,7 +95,7 @@ class GraphRunner:
             batch = Batch(reqs=[], phase="prefill")  # every token belongs to the padding entry
             batch.padded_reqs, batch.padded_tokens = [], t
             self._load(batch, 0, t)
-            attn_backend.prepare_metadata(batch)  # the first plan, at the largest t, sizes the wrappers' work arrays
+            self.attn_backend.prepare_metadata(batch)  # the first plan, at the largest t, sizes the wrappers' work arrays
             with ctx.forward_batch(batch):
                 self.model.model(batch.input_ids)  # warm-up: lazy allocations happen outside the capture
                 graph = torch.cuda.CUDAGraph()
@@ -104,17 +105,17 @@ class GraphRunner:
             self.prefill_graphs[t] = graph
         return pool
 
-    def _capture_decode(self, stream: Any, attn_backend: AttentionBackend, pool: Any) -> None:
+    def _capture_decode(self, stream: Any, pool: Any) -> None:
         if not self.graph_bs:
             return
         ctx = get_global_ctx()
-        attn_backend.init_capture_graph(ctx.page_table.shape[1], self.graph_bs)
+        self.attn_backend.init_capture_graph(ctx.page_table.shape[1], self.graph_bs)
         # Largest first, so the smaller graphs reuse the pool the largest one sized.
         for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="capturing decode CUDA graphs"):
             batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
             batch.padded_reqs = batch.reqs
             self._load(batch, 0, bs)
-            attn_backend.prepare_for_capture(batch)
+            self.attn_backend.prepare_for_capture(batch)
             with ctx.forward_batch(batch):
                 self.model.forward()  # warm-up
                 graph = torch.cuda.CUDAGraph()
@@ -145,7 +146,7 @@ class GraphRunner:
     def replay(self, batch: Batch) -> torch.Tensor:
         """Copy the batch into the static buffers and replay. Decode: logits [padded_bs, vocab]; prefill: the
         logits the eager forward returns (the LM head runs after the replay on the batch's own rows)."""
-        get_global_ctx().attn_backend.prepare_for_replay(batch)
+        self.attn_backend.prepare_for_replay(batch)
         n = len(batch.input_ids)
         if batch.is_prefill:
             t = batch.padded_tokens

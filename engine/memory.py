@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Callable, List
 
 import torch
 
-from engine.core import Batch, Req, SamplingParams
-from engine.utils.misc import gib
+from engine.core import Batch, Req, SamplingParams, get_global_ctx
+from engine.sample import Sampler
+from engine.utils.misc import align_up, gib
 
 if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.kvcache import KVCachePool
 
 logger = logging.getLogger(__name__)
 
@@ -71,49 +73,59 @@ class Reserve:
 
 
 @torch.inference_mode()
-def measure_reserve(engine: "Engine", config: "EngineConfig") -> Reserve:
-    """Measured on CUDA before the KV pool exists, on a scratch pool just large enough.
+def measure_reserve(model: torch.nn.Module, config: EngineConfig, make_kv_pool: Callable[[int], KVCachePool],
+                    make_attn_backend: Callable[[], AttentionBackend]) -> Reserve:
+    """Measured on CUDA before the KV pool exists, on a scratch pool just large enough (make_kv_pool(pages), with the
+    backend make_attn_backend() over it, both installed in the global Context for the probe).
 
     Eager forwards run beside the graphs, so the two add up. activations: the peak of the largest prefill
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
     (decode logits, prefill hidden states; counted from their shapes) and the graph wrappers' int workspaces.
-    GraphRunner.memory_used is what the captures really took, to check this against.
+    Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
+    captures really took, to check this against.
     """
-    from engine.attention import create_attention_backend
     from engine.attention.base import layer_windows
     from engine.graph import token_buckets
-    from engine.kvcache import create_kvcache_pool
-    from engine.sample import Sampler
-    from engine.utils.misc import align_up
 
-    ctx, mc, device = engine.ctx, config.model_config, engine.device
+    ctx, mc, device = get_global_ctx(), config.model_config, torch.device(config.device)
     tokens = config.max_forward_len
     graph_bs = config.cuda_graph_bs or []
     buckets = token_buckets(config.prefill_graph_tokens or 0)
     max_bs = max(graph_bs or [1])
     pages = -(-tokens // config.page_size) + max_bs + 1
-    torch.cuda.synchronize(device)
-    ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
+    ctx.kv_cache = make_kv_pool(pages)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
-    ctx.attn_backend = create_attention_backend(config.attention_backend, mc, engine.num_qo_heads,
-                                                engine.num_kv_heads, device, engine.dtype)
+    ctx.attn_backend = attn_backend = make_attn_backend()
 
     def peak(run: Callable[[], object]) -> int:
-        """Device memory the allocator reserves for run() at its peak (segments, as a graph's pool holds them),
-        beside the scratch pool and the backend's workspace."""
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        base = torch.cuda.memory_reserved(device)
+        base = torch.cuda.memory_reserved(device)  # the scratch pool and the backend's workspace left out
         torch.cuda.reset_peak_memory_stats(device)
         run()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_reserved(device) - base
 
+    def forward(phase: str, lengths: List[int]) -> None:
+        """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table)."""
+        cached = 0 if phase == "prefill" else 1
+        reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
+                for i, n in enumerate(lengths)]
+        batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+        batch.padded_reqs = reqs
+        n = sum(lengths)
+        batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
+        attn_backend.prepare_metadata(batch)
+        with ctx.forward_batch(batch):
+            model.forward()
+
     try:
-        prefill = {n: peak(lambda n=n: _forward(engine, "prefill", [n])) for n in {tokens, *buckets[-1:]}}
-        decode = peak(lambda: _forward(engine, "decode", [1] * max_bs))
+        prefill = {n: peak(lambda n=n: forward("prefill", [n])) for n in {tokens, *buckets[-1:]}}
+        decode = peak(lambda: forward("decode", [1] * max_bs))
         rows = config.max_running_req
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
         batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows, phase="decode")
@@ -121,17 +133,16 @@ def measure_reserve(engine: "Engine", config: "EngineConfig") -> Reserve:
         sampling = peak(lambda: sampler.sample(torch.randn(rows, mc.vocab_size, device=device),
                                                sampler.prepare(batch)))
     finally:
-        ctx.kv_cache = ctx.page_table = ctx.attn_backend = None
+        ctx.kv_cache = ctx.page_table = ctx.attn_backend = attn_backend = None
         torch.cuda.empty_cache()
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 
-    item, tp = engine.dtype.itemsize, config.tp_info.size
+    item, tp = next(model.parameters()).dtype.itemsize, config.tp_info.size
     graphs = 0
     if graph_bs or buckets:
         pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
         outputs = sum(graph_bs) * -(-mc.vocab_size // tp) * tp * item + sum(buckets) * mc.hidden_size * item
-        windows = len(set(layer_windows(mc)))
-        wrappers = (len(graph_bs) + (1 if buckets else 0)) * windows * FLASHINFER_INT_WORKSPACE
+        wrappers = (len(graph_bs) + bool(buckets)) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
         graphs = pool + outputs + wrappers
     reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
                       workspace=WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
@@ -139,20 +150,3 @@ def measure_reserve(engine: "Engine", config: "EngineConfig") -> Reserve:
                 "(%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total), gib(reserve.activations),
                 tokens, max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))
     return reserve
-
-
-def _forward(engine: "Engine", phase: str, lengths: List[int]) -> None:
-    """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table)."""
-    ctx, device = engine.ctx, engine.device
-    cached = 0 if phase == "prefill" else 1
-    reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
-            for i, n in enumerate(lengths)]
-    batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
-    batch.padded_reqs = reqs
-    n = sum(lengths)
-    batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
-    batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
-    batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-    ctx.attn_backend.prepare_metadata(batch)
-    with ctx.forward_batch(batch):
-        engine.model.forward()
