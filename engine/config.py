@@ -29,6 +29,11 @@ class EngineConfig:
     moe_backend: str = "auto"
     cuda_graph_bs: List[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to cuda_graph_max_bs
     cuda_graph_max_bs: int | None = None  # None: min(max_running_req, 256); 0 disables graphs
+    # Prefill and extend CUDA graphs (CUDA with FlashInfer only): the most tokens one graph forward carries (graphs
+    # at 128, 256, ... below it and at it); None: min(4096, max_forward_len) when graphs are on (cuda_graph_max_bs
+    # not 0); 0 disables them. A prefill batch of more requests than prefill_graph_max_reqs runs eagerly.
+    prefill_graph_tokens: int | None = None
+    prefill_graph_max_reqs: int = 8  # capped at max_running_req
     page_size: int = 1
     memory_ratio: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30  # the KV pool is capped at 2 GiB on a CPU by default
@@ -49,6 +54,11 @@ class EngineConfig:
             raise ValueError(f"memory_ratio must lie in (0, 1], got {self.memory_ratio}")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0 (0 disables prefill graphs), got "
+                             f"{self.prefill_graph_tokens}")
+        if self.prefill_graph_max_reqs < 1:
+            raise ValueError(f"prefill_graph_max_reqs must be >= 1, got {self.prefill_graph_max_reqs}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 1:
             raise ValueError(f"max_seq_len_override must be >= 1, got {self.max_seq_len_override}")
 

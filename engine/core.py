@@ -101,6 +101,8 @@ class Batch:
     out_loc: torch.Tensor = field(init=False)  # [num_tokens] int64 (int32 is converted), KV slot each token writes
     # Filled by GraphRunner.pad_batch and the attention backend:
     padded_reqs: List[Req] = field(init=False)
+    # a prefill batch that replays a CUDA graph: the graph's token count (its tokens padded up to it), else 0
+    padded_tokens: int = field(init=False, default=0)
     attn_metadata: Any = field(init=False, default=None)
 
     @property

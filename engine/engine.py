@@ -16,10 +16,10 @@ from engine.config import EngineConfig
 from engine.core import Batch, Context, Req, set_global_ctx
 from engine.distributed import (destroy_process_groups, div_even, init_process_groups, set_tp_info,
                                 tp_broadcast, tp_min_over_ranks)
-from engine.graph import GraphRunner
+from engine.graph import GraphRunner, token_buckets
 from engine.kvcache import KVCachePool, create_kvcache_pool
 from engine.layers.ops import create_ops, resolve_ops_backend
-from engine.memory import MemoryPlan, measure_activation_peak, plan_num_pages
+from engine.memory import MemoryPlan, Reserve, measure_reserve, plan_num_pages
 from engine.models import create_model, dummy_state_dict, load_weight_state_dict
 from engine.models.decoder import heads_per_rank
 from engine.sample import BatchSamplingArgs, Sampler
@@ -70,6 +70,7 @@ class Engine:
 
         # the KV pool gets the memory left; the extra page belongs to the dummy request
         self.num_qo_heads, self.num_kv_heads = heads_per_rank(config.model_config)
+        self.reserve: Reserve | None = None  # the measured reserve by part, on CUDA
         self.plan = self._determine_num_pages(init_free_memory, config)
         self.num_pages = self.plan.num_pages
         num_tokens = self.num_pages * config.page_size
@@ -91,7 +92,9 @@ class Engine:
                              cache_handle=None)
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # every position -> the dummy page
         self.graph_runner = GraphRunner(self.stream, self.device, self.model, self.attn_backend,
-                                        config.cuda_graph_bs or [], self.dummy_req)
+                                        config.cuda_graph_bs or [], self.dummy_req,
+                                        token_buckets(config.prefill_graph_tokens or 0),
+                                        config.prefill_graph_max_reqs)
 
     # ------------------------------------------------------------------ init steps
     def _init_communication(self, config: EngineConfig) -> Any:
@@ -131,11 +134,13 @@ class Engine:
         return plan
 
     def _activation_reserve(self, config: EngineConfig) -> int:
-        """Bytes the forward passes need beyond the weights and the KV pool (measured on CUDA, 0 on a CPU)."""
+        """Bytes the forward passes need beyond the weights and the KV pool (measured on CUDA, 0 on a CPU); the
+        parts stay in self.reserve."""
         if not is_cuda(self.device):
             return 0
-        return measure_activation_peak(self.model, config, lambda pages: self._make_kv_pool(config, pages),
+        self.reserve = measure_reserve(self.model, config, lambda pages: self._make_kv_pool(config, pages),
                                        lambda: self._make_attn_backend(config))
+        return self.reserve.total
 
     def _make_kv_pool(self, config: EngineConfig, num_pages: int) -> KVCachePool:
         return create_kvcache_pool(config.model_config, num_pages, config.page_size, self.num_kv_heads, self.device,
@@ -224,10 +229,25 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
     ops = resolve_ops_backend(config.ops_backend, torch.device(device), config.dtype)
     graph_bs: List[int] = []
+    prefill_tokens = 0
     if device.startswith("cuda") and backend == "flashinfer":
         max_bs = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else min(config.max_running_req, 256)
         graph_bs = config.cuda_graph_bs or [b for b in [1, 2, 4] + list(range(8, max_bs + 1, 8)) if b <= max_bs]
         if any(b > config.max_running_req for b in graph_bs):
             raise ValueError(f"cuda_graph_bs {graph_bs} exceeds max_running_req {config.max_running_req}")
+        prefill_tokens = _prefill_graph_tokens(config)
     return dataclasses.replace(config, device=device, attention_backend=backend, ops_backend=ops,
-                               cuda_graph_bs=graph_bs, cuda_graph_max_bs=max(graph_bs, default=0))
+                               cuda_graph_bs=graph_bs, cuda_graph_max_bs=max(graph_bs, default=0),
+                               prefill_graph_tokens=prefill_tokens,
+                               prefill_graph_max_reqs=min(config.prefill_graph_max_reqs, config.max_running_req))
+
+
+def _prefill_graph_tokens(config: EngineConfig) -> int:
+    """The largest prefill graph's token count: auto follows the decode graphs' switch; an explicit bound must fit
+    the forward budget the memory plan reserves for."""
+    if config.prefill_graph_tokens is None:
+        return 0 if config.cuda_graph_max_bs == 0 else min(4096, config.max_forward_len)
+    if config.prefill_graph_tokens > config.max_forward_len:
+        raise ValueError(f"prefill_graph_tokens {config.prefill_graph_tokens} exceeds max_forward_len "
+                         f"{config.max_forward_len}: lower it or raise max_prefill_tokens / max_seq_len_override")
+    return config.prefill_graph_tokens

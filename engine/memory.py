@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, List
 
 import torch
 
@@ -55,55 +55,98 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
     return MemoryPlan(init_free_memory, model, reserve, bytes_per_page, num_pages, bound)
 
 
-@torch.inference_mode()
-def measure_activation_peak(model: torch.nn.Module, config: EngineConfig, make_kv_pool: Callable[[int], KVCachePool],
-                            make_attn_backend: Callable[[], AttentionBackend]) -> int:
-    """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
+# FlashInfer allocates this much device int workspace in every wrapper's constructor (and as much pinned host memory)
+FLASHINFER_INT_WORKSPACE = 8 << 20
 
-    On a scratch pool just large enough (make_kv_pool(pages), with the backend make_attn_backend() over it, both
-    installed in the global Context for the probe), run the model's largest prefill (max_forward_len tokens), the
-    largest decode batch (its activations are what a CUDA graph's private pool keeps), and the sampler's worst path
-    over max_running_req rows; add the attention workspace. The sum is reserved from the KV pool's share.
+
+@dataclass
+class Reserve:
+    """What the forwards need beside the weights and the KV pool, by part (bytes)."""
+
+    activations: int  # the largest eager peak: the largest prefill, the largest decode batch, the sampler's worst
+    graphs: int  # what the CUDA graphs keep: their pool, their outputs, their wrappers' buffers
+    workspace: int  # the attention backend's float workspace
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.graphs + self.workspace
+
+
+@torch.inference_mode()
+def measure_reserve(model: torch.nn.Module, config: EngineConfig, make_kv_pool: Callable[[int], KVCachePool],
+                    make_attn_backend: Callable[[], AttentionBackend]) -> Reserve:
+    """Measured on CUDA before the KV pool exists, on a scratch pool just large enough (make_kv_pool(pages), with the
+    backend make_attn_backend() over it, both installed in the global Context for the probe).
+
+    Eager forwards run beside the graphs, so the two add up. activations: the peak of the largest prefill
+    (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
+    graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
+    a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
+    (decode logits, prefill hidden states; counted from their shapes) and the graph wrappers' int workspaces.
+    Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
+    captures really took, to check this against.
     """
+    from engine.attention.base import layer_windows
+    from engine.graph import token_buckets
+
     ctx, mc, device = get_global_ctx(), config.model_config, torch.device(config.device)
     tokens = config.max_forward_len
-    max_bs = max(config.cuda_graph_bs or [1])
+    graph_bs = config.cuda_graph_bs or []
+    buckets = token_buckets(config.prefill_graph_tokens or 0)
+    max_bs = max(graph_bs or [1])
     pages = -(-tokens // config.page_size) + max_bs + 1
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
     ctx.kv_cache = make_kv_pool(pages)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
     ctx.attn_backend = attn_backend = make_attn_backend()
-    scratch = torch.cuda.memory_allocated(device) - base
-    torch.cuda.reset_peak_memory_stats(device)
+
+    def peak(run: Callable[[], object]) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved(device)  # the scratch pool and the backend's workspace left out
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_reserved(device) - base
+
+    def forward(phase: str, lengths: List[int]) -> None:
+        """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table)."""
+        cached = 0 if phase == "prefill" else 1
+        reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
+                for i, n in enumerate(lengths)]
+        batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+        batch.padded_reqs = reqs
+        n = sum(lengths)
+        batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
+        attn_backend.prepare_metadata(batch)
+        with ctx.forward_batch(batch):
+            model.forward()
+
     try:
-        probes = [("prefill", [Req(torch.zeros(tokens, dtype=torch.int32), 0, 0, 1, 0, SamplingParams(), None)]),
-                  ("decode", [Req(torch.zeros(2, dtype=torch.int32), i, 1, 1, i, SamplingParams(), None)
-                              for i in range(max_bs)])]
-        for phase, reqs in probes:
-            batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
-            batch.padded_reqs = reqs
-            n = sum(r.extend_len for r in reqs)
-            batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
-            batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
-            batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-            attn_backend.prepare_metadata(batch)
-            with ctx.forward_batch(batch):
-                model.forward()
+        prefill = {n: peak(lambda n=n: forward("prefill", [n])) for n in {tokens, *buckets[-1:]}}
+        decode = peak(lambda: forward("decode", [1] * max_bs))
         rows = config.max_running_req
-        logits = torch.randn(rows, mc.vocab_size, device=device)
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
         batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows, phase="decode")
         sampler = Sampler(device, mc.vocab_size)
-        sampler.sample(logits, sampler.prepare(batch))
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base - scratch
+        sampling = peak(lambda: sampler.sample(torch.randn(rows, mc.vocab_size, device=device),
+                                               sampler.prepare(batch)))
     finally:
         ctx.kv_cache = ctx.page_table = ctx.attn_backend = attn_backend = None
         torch.cuda.empty_cache()
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 
-    reserve = peak + (WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
-    logger.info("measured activation peak %s (prefill of %d tokens, decode of %d, sampling %d rows); reserve %s",
-                gib(peak), tokens, max_bs, rows, gib(reserve))
+    item, tp = next(model.parameters()).dtype.itemsize, config.tp_info.size
+    graphs = 0
+    if graph_bs or buckets:
+        pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
+        outputs = sum(graph_bs) * -(-mc.vocab_size // tp) * tp * item + sum(buckets) * mc.hidden_size * item
+        wrappers = (len(graph_bs) + bool(buckets)) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
+        graphs = pool + outputs + wrappers
+    reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
+                      workspace=WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
+    logger.info("reserve %s: activations %s (prefill of %d tokens, decode of %d, sampling %d rows), graphs %s "
+                "(%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total), gib(reserve.activations),
+                tokens, max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))
     return reserve

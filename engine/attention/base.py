@@ -43,3 +43,8 @@ class AttentionBackend(ABC):
 
     def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError
+
+    def init_prefill_graphs(self, max_reqs: int, max_tokens: int, max_seq_len: int, dummy_row: int) -> None:
+        """Static buffers for prefill graphs of up to max_reqs requests and max_tokens tokens; prepare_metadata
+        then plans a batch with padded_tokens set into them."""
+        raise NotImplementedError(f"{type(self).__name__} does not support prefill CUDA graphs")

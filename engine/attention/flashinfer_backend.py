@@ -12,6 +12,8 @@ prepare_metadata. A CUDA-graph decode refills its static page buffers every step
 batch size and page counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
 reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
+Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers, planned before each
+replay (init_prefill_graphs).
 """
 
 from __future__ import annotations
@@ -69,18 +71,30 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers: Dict[int, Dict[int, Any]] = {}  # padded bs -> window_left -> wrapper
         self.graph_plan: tuple | None = None  # the schedule the last graph plan was made for
         self.graph_indptr = self.graph_indices = self.graph_last_page_len = self.graph_batch_indices = None
+        self.prefill_graph: Dict[int, Any] = {}  # window_left -> graph-mode prefill wrapper (init_prefill_graphs)
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
 
     # ------------------------------------------------------------------ page lists, on the device
+    def _entries(self, batch: Batch) -> List[List[int]]:
+        """[kv lengths, extend lengths, page-table rows] of the attention entries: batch.padded_reqs, and for a graph
+        prefill the empty entries and the padding entry (last, on the dummy's row) that make up the graph's fixed
+        count; the padding entry owns the padding tokens, at positions 0, 1, ... of its own sequence."""
+        reqs = batch.padded_reqs
+        entries = [[r.device_len for r in reqs], [r.extend_len for r in reqs], [r.table_idx for r in reqs]]
+        if batch.is_prefill and batch.padded_tokens:
+            pad, empty = batch.padded_tokens - sum(entries[1]), self.prefill_graph_reqs - len(reqs)
+            for column, fill in zip(entries, ([0] * empty + [pad], [0] * empty + [pad],
+                                              [self.prefill_dummy_row] * (empty + 1))):
+                column += fill
+        return entries
+
     def _page_lists(self, batch: Batch) -> _PageLists:
-        ctx = get_global_ctx()
-        ps, reqs = ctx.page_size, batch.padded_reqs
-        n = len(reqs)
-        host = torch.tensor([[r.device_len for r in reqs], [r.extend_len for r in reqs], [r.table_idx for r in reqs]],
-                            dtype=torch.int64)
+        ps = get_global_ctx().page_size
+        host = torch.tensor(self._entries(batch), dtype=torch.int64)
         kv_lens, ext, rows = host
+        n = host.shape[1]
         num_pages = (kv_lens + ps - 1) // ps
         indptrs = torch.zeros(3, n + 1, dtype=torch.int32, pin_memory=True)  # qo, kv, last_page_len (n entries)
         indptrs[0, 1:] = ext.cumsum(0)
@@ -92,7 +106,7 @@ class FlashInferBackend(AttentionBackend):
         rows_d, pages_d, starts_d = dev.split(n)
         owner = torch.repeat_interleave(torch.arange(n, device=self.device), pages_d, output_size=total)
         page_col = (torch.arange(total, device=self.device) - starts_d[owner]) * ps
-        slots = ctx.page_table[rows_d[owner], page_col]
+        slots = get_global_ctx().page_table[rows_d[owner], page_col]
         indices = slots if ps == 1 else torch.div(slots, ps, rounding_mode="floor")
         lens = num_pages if not self.use_tensor_cores else kv_lens
         return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(), (n, tuple(lens.tolist())))
@@ -107,7 +121,8 @@ class FlashInferBackend(AttentionBackend):
         self.planned.synchronize()
         graph = self.graph_wrappers.get(batch.padded_size) if batch.is_decode else None
         if batch.is_prefill:
-            wrappers = self.prefill
+            # graph mode copies the lists into the graph's static buffers (the first plan sizes its work arrays)
+            wrappers = self.prefill_graph if batch.padded_tokens else self.prefill
             for w, wrapper in wrappers.items():
                 wrapper.plan(lists.qo_indptr, lists.kv_indptr, lists.kv_indices, lists.last_page_len,
                              head_dim_qk=self.head_dim, causal=True, **self._plan_args(w))
@@ -118,7 +133,10 @@ class FlashInferBackend(AttentionBackend):
             wrappers = self.decode
             self._plan_decode(wrappers, lists)
         self.planned.record()
-        batch.attn_metadata = self._metadata(batch, lists, wrappers, graph is not None)
+        if batch.is_prefill and batch.padded_tokens:
+            batch.attn_metadata = self._graph_prefill_metadata(batch, lists)
+        else:
+            batch.attn_metadata = self._metadata(batch, lists, wrappers, graph is not None)
 
     def _plan_decode(self, wrappers: Dict[int, Any], lists: _PageLists) -> None:
         for w, wrapper in wrappers.items():
@@ -198,4 +216,40 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare_for_replay(self, batch: Batch) -> None:
         """prepare_metadata already planned into the captured wrappers, whose buffers the graph reads."""
-        assert batch.attn_metadata.wrappers is self.graph_wrappers[batch.padded_size]
+        captured = self.prefill_graph if batch.is_prefill else self.graph_wrappers[batch.padded_size]
+        assert batch.attn_metadata.wrappers is captured
+
+    # ------------------------------------------------------------------ CUDA graphs (prefill and extend)
+    def init_prefill_graphs(self, max_reqs: int, max_tokens: int, max_seq_len: int, dummy_row: int) -> None:
+        """Static buffers for max_reqs requests plus the padding entry, and one graph-mode prefill wrapper per window
+        over them, serving every token bucket: a graph-mode plan fixes the entry count and, at its first call (the
+        largest bucket), the size of its work arrays, so every later plan writes the same device addresses. The
+        kernels are the eager wrappers' (the module FlashInfer picks does not depend on graph mode). On sm90 the
+        FA3 kernel runs a persistent grid over per-(query tile, head) work items, so its results are the eager
+        ones; FA2 (other GPUs) always splits the keys in graph mode, which changes the summation order."""
+        import flashinfer
+
+        ps = get_global_ctx().page_size
+        entries = max_reqs + 1
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.prefill_graph_reqs, self.prefill_dummy_row = max_reqs, dummy_row
+        self.pg_qo_indptr = torch.zeros(entries + 1, **int32)
+        self.pg_kv_indptr = torch.zeros(entries + 1, **int32)
+        self.pg_last_page_len = torch.ones(entries, **int32)
+        self.pg_indices = torch.zeros(max_reqs * -(-max_seq_len // ps) + -(-max_tokens // ps), **int32)
+        self.pg_batch_indices = torch.zeros(max_tokens, **int32)
+        self.prefill_graph = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self.pg_qo_indptr,
+            paged_kv_indptr_buf=self.pg_kv_indptr, paged_kv_indices_buf=self.pg_indices,
+            paged_kv_last_page_len_buf=self.pg_last_page_len) for w in self.windows}
+
+    def _graph_prefill_metadata(self, batch: Batch, lists: _PageLists) -> FlashInferMetadata:
+        """The static buffers the graph's KV append reads (the plan filled the page lists); each token's entry is
+        gathered on the device. cu_seqlens_q covers the real requests only: the LM head's rows."""
+        t, entries = batch.padded_tokens, len(lists.qo_indptr) - 1
+        qo_indptr = lists.qo_indptr.to(self.device, non_blocking=True)
+        self.pg_batch_indices[:t].copy_(torch.repeat_interleave(
+            torch.arange(entries, dtype=torch.int32, device=self.device), qo_indptr.diff(), output_size=t))
+        return FlashInferMetadata(cu_seqlens_q=qo_indptr[: batch.size + 1], wrappers=self.prefill_graph,
+                                  kv_indptr=self.pg_kv_indptr, kv_indices=self.pg_indices,
+                                  last_page_len=self.pg_last_page_len, batch_indices=self.pg_batch_indices[:t])

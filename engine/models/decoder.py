@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.core import get_global_ctx
+from engine.core import Batch, get_global_ctx
 from engine.distributed import div_even, get_tp_info
 from engine.layers.attention import AttentionLayer
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
@@ -130,10 +130,13 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self) -> torch.Tensor:
-        """Logits [rows, vocab] for the batch in the global context: one row per request (its last token),
-        or one per token when the batch asks for all positions."""
+        """Logits [rows, vocab] for the batch in the global context."""
         batch = get_global_ctx().batch
-        hidden = self.model(batch.input_ids)
+        return self.logits(self.model(batch.input_ids), batch)
+
+    def logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """hidden [num_tokens, H] (the final norm's output) -> logits [rows, vocab]: one row per request (its last
+        token), or one per token when the batch asks for all positions."""
         if batch.return_logits != "all" and batch.is_prefill:
             hidden = hidden[batch.attn_metadata.last_indices()]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
