@@ -1,4 +1,4 @@
-"""python -m harness {models,golden,parity,sampling,bench} ... (each verb's --help says more)."""
+"""python -m harness {models,golden,parity,sampling,bench,fuzz} ... (each verb's --help says more)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional() -> List[Callable[[argparse._SubParsersAction], None]]:
-    from harness import bench, golden, parity, sampling
+    from harness import bench, fuzz, golden, parity, sampling
 
-    return [golden.register, parity.register, sampling.register, bench.register]
+    return [golden.register, parity.register, sampling.register, bench.register, fuzz.register]
 
 
 _VERBS: List[Callable[[argparse._SubParsersAction], None]] = []
