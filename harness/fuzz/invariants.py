@@ -3,7 +3,9 @@
 1. reference: each request alone on the reference engine (one slot, page_size 1, no graphs, the simple loop, the same
    dtype and kernels), ignoring EOS; the workload's EOS ids are resolved from these tokens and each reference is cut at
    its first EOS (unless the request ignores EOS).
-2. main: the workload free-running with the configuration's loop; the pool invariants after every step.
+2. main: the workload free-running with the configuration's loop; the pool invariants after every step. The free
+   runs (main, other-loop, repeat, eager-twin) record the log-probabilities of each prompt's last position and of
+   every decode position (every prompt position would cost an LM-head row per prompt token).
 3. forced: the workload teacher-forced on the references' tokens; the pool invariants, and after every step every
    live request's K/V against its reference's; every position's log-probabilities against the reference's within the
    parity tolerance of the dtype: harness.parity.tolerance of the committed golden of this model, device and dtype,
@@ -89,7 +91,7 @@ class Evaluator:
                 workload.requests, refs)]
             free = RunSpec("main", [list(r.prompt) for r in workload.requests], [r.params() for r in workload.requests],
                            eos, config.overlap, config.max_prefill_tokens,
-                           prefix_lens=[r.prefix_len for r in workload.requests])
+                           prefix_lens=[r.prefix_len for r in workload.requests], prompt_logits=False)
             main = None
             for stage in [s for s in STAGES if s in stages]:
                 t0 = time.perf_counter()
@@ -110,7 +112,7 @@ class Evaluator:
             out = self._run(engine, free)
             return out.violation or seeded_alone(out, refs, workload.requests, self.counts), out
         if stage == "forced":
-            spec = dataclasses.replace(free, stage="forced", forced=[r.tokens for r in refs])
+            spec = dataclasses.replace(free, stage="forced", forced=[r.tokens for r in refs], prompt_logits=True)
             out = self._run(engine, spec, refs)
             return out.violation or self._logits(config, out, refs), out
         if stage == "other-loop":

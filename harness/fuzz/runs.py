@@ -48,6 +48,7 @@ class RunSpec:
     max_prefill_tokens: int
     prefix_lens: List[int] | None = None
     forced: List[List[int]] | None = None
+    prompt_logits: bool = True  # log-probabilities at every prompt position (False: the last one of each prompt)
     check_pool: bool = True  # the pool invariants after every step (they synchronize after every launch)
     capture: bool = False  # keep the top-K log-probabilities and the K/V (a reference run)
 
@@ -92,7 +93,8 @@ def run_workload(engine: Engine, spec: RunSpec, references: List[Reference] | No
 
     ref_kv = None if references is None else {uid: r.kv for uid, r in enumerate(references)}
     checker = PoolChecker(engine, spec.stage, ref_kv) if spec.check_pool or spec.capture else None
-    driver = Driver(engine, max_prefill_tokens=spec.max_prefill_tokens, overlap=spec.overlap)
+    driver = Driver(engine, max_prefill_tokens=spec.max_prefill_tokens, overlap=spec.overlap,
+                    prompt_logits=spec.prompt_logits or spec.capture)
     first = len(driver.steps)
     steps: List[tuple] = []
 
