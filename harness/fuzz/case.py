@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from engine.core import SamplingParams
+from harness import UserError
 
 MAX_SEQ_LEN = 128  # max_seq_len of every engine of a fuzz run: far above any request the strategies draw
 MAX_PROMPT = 40
@@ -130,8 +131,9 @@ class Case:
     def read(cls, path: Path) -> "Case":
         try:
             return cls.from_json(Path(path).read_text())
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is not a fuzz case written by `python -m harness fuzz`: {e}") from e
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path} is not a fuzz case written by `python -m harness fuzz`: {e}; give the JSON file "
+                            "a failing search wrote (its path ends the search's output)") from e
 
 
 def describe(workload: Workload) -> List[str]:

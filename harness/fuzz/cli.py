@@ -55,6 +55,7 @@ def _cmd(args: argparse.Namespace) -> int:
     from harness.fuzz.search import FuzzOptions, fuzz
     from harness.report import written_to
 
+    _check(args)
     if args.replay:
         return _replay(args)
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
@@ -76,6 +77,29 @@ def _cmd(args: argparse.Namespace) -> int:
         print("\nthe minimal failing case:\n" + report.failure_text(result.case, result.case_path, result.first))
         return 1
     return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What this machine cannot run is refused before any engine starts."""
+    from harness import UserError, check_device
+    from harness import golden as G
+    from harness.fuzz.faults import FAULTS
+    from harness.fuzz.strategies import dtypes
+
+    if args.replay:
+        case = Case.read(args.replay)
+        device, model, wanted = case.device, case.model, [case.config.dtype]
+    else:
+        device, model, wanted = args.device, args.model, dtypes(args.device, args.dtype)
+    kind = device.split(":")[0]
+    check_device(device, flashinfer=kind == "cuda")  # the CUDA run's engines are FlashInfer's
+    if args.plant and FAULTS[args.plant].device not in ("any", kind):
+        raise UserError(f"--plant {args.plant} lives where {device} has no code ({FAULTS[args.plant].description}); "
+                        f"use --device {FAULTS[args.plant].device}")
+    if args.budget is not None and args.budget <= 0:
+        raise UserError(f"--budget {args.budget}: give a positive number of seconds")
+    for dtype in wanted:
+        G.load_checked(model, kind, dtype)  # its tolerance is parity's: a missing golden is refused here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

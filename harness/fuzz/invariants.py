@@ -8,8 +8,8 @@
    every decode position (every prompt position would cost an LM-head row per prompt token).
 3. forced: the workload teacher-forced on the references' tokens; the pool invariants, and after every step every
    live request's K/V against its reference's; every position's log-probabilities against the reference's within the
-   parity tolerance of the dtype: harness.parity.tolerance of the committed golden of this model, device and dtype,
-   on parity's measure (harness.parity.compare_row). Not parity's half-precision distribution gate: its percentiles
+   parity tolerance of the dtype: harness.parity.gate.tolerance of the committed golden of this model, device and
+   dtype, on parity's measure (harness.compare.compare_row). Not parity's half-precision distribution gate: its percentiles
    need more positions than one case has.
 4. other-loop: the other loop (overlap vs simple): logits bitwise equal wherever the two loops ran the same batches
    (every step up to an EOS stop, after which the overlap loop wastes one), the same token wherever the logits are
@@ -32,7 +32,7 @@ from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, RequestSpec, Wor
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
 from harness.fuzz.runs import Position, Reference, RunOutput, RunSpec, run_workload
 from harness.golden import TOP_K
-from harness.parity import tolerance
+from harness.parity.gate import tolerance
 
 STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin")
 COMPARISONS = ("overlap-simple", "repeat", "graphs-eager", "seeded-alone")  # need the main run besides their own

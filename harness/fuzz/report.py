@@ -24,7 +24,7 @@ A case is an engine configuration and a workload, both drawn by hypothesis (`har
 - **forced**: teacher-forced on the references' tokens; after every step every live request's K/V against the
   reference's (relative error per position, layer, K or V: 1e-4 in fp32, 0.1 in bf16); every position's
   log-probabilities within the parity tolerance of the dtype, read from the committed golden of the model (parity's
-  measure and `harness.parity.tolerance`; 7.5e-4 for tiny-qwen3 in fp32 on the CPU, 7.48 in bf16 on CUDA).
+  measure and `harness.parity.gate.tolerance`; 7.5e-4 for tiny-qwen3 in fp32 on the CPU, 7.48 in bf16 on CUDA).
 - **other-loop**: overlap against the simple loop: bitwise equal logits wherever both ran the same batches (up to an
   EOS stop, after which the overlap loop wastes a step), the same token wherever the logits are bitwise equal.
 - **repeat**: main again, without the per-step checks (they synchronize): bitwise equal in everything.

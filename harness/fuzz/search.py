@@ -27,7 +27,7 @@ from hypothesis.errors import NoSuchExample
 
 from harness.fuzz.case import Case, Failure, FuzzConfig, Workload
 from harness.fuzz.invariants import Evaluator
-from harness.fuzz.strategies import configs, workloads
+from harness.fuzz.strategies import configs, dtypes, workloads
 from harness.report import REPO_ROOT
 
 FUZZ_DIR = REPO_ROOT / "build" / "fuzz"
@@ -196,6 +196,8 @@ def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[
     evaluator: engines to reuse (built here and closed when None)."""
     own = evaluator is None
     evaluator = evaluator or Evaluator(opts.model, opts.device)
+    for dtype in dtypes(opts.device, opts.dtype):  # a missing golden is refused before the search starts
+        evaluator.tolerance(dtype)
     search = _Search(opts, evaluator, tick)
     counts_before, seconds_before = dict(evaluator.counts), dict(evaluator.seconds)
     try:

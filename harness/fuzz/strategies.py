@@ -23,12 +23,17 @@ TOP_PS = [0.9, 0.5, 0.2]
 MIN_PS = [0.05, 0.2]
 
 
+def dtypes(device: str, dtype: str | None = None) -> List[str]:
+    """The dtypes a run draws: the one asked for, else fp32 on a CPU, bf16 and fp32 on CUDA."""
+    return [dtype] if dtype else ["bfloat16", "float32"] if device.startswith("cuda") else ["float32"]
+
+
 @st.composite
 def configs(draw: Callable, device: str, dtype: str | None = None) -> FuzzConfig:
     """On a CPU the torch backend is the only one and graphs do not exist; on CUDA FlashInfer (half precision
     only) or torch attention, graphs on or off (FlashInfer only), bf16 or fp32."""
     cuda = device.startswith("cuda")
-    dtype = dtype or (draw(st.sampled_from(["bfloat16", "float32"])) if cuda else "float32")
+    dtype = draw(st.sampled_from(dtypes(device, dtype)))
     half = dtype in ("bfloat16", "float16")
     backend = draw(st.sampled_from(["flashinfer", "torch"])) if cuda and half else "torch"
     graphs = draw(st.sampled_from([True, False])) if backend == "flashinfer" else False
