@@ -136,8 +136,11 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
 
 
 class Driver:
-    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True) -> None:
+    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True,
+                 prompt_logits: bool = True) -> None:
+        """prompt_logits: on_logits gets every prompt position (False: each prompt's last only, one LM-head row)."""
         self.engine = engine
+        self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.overlap = overlap
         self.page_size = engine.config.page_size
@@ -276,7 +279,7 @@ class Driver:
         spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
         record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0)
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
-                      ("all" if phase == "prefill" else "last"))
+                      ("all" if phase == "prefill" and self.prompt_logits else "last"))
         self.engine.graph_runner.pad_batch(batch)
         if phase == "decode":
             self._decode_inputs(batch)
@@ -351,11 +354,13 @@ class Driver:
         if on_logits is not None:
             logprobs = torch.log_softmax(step.out.logits, dim=-1)
             stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
+            every = step.batch.return_logits == "all"
             offset = 0
             for uid, start, rows in step.spans:  # positions [cached_len, device_len) as they were before the forward
+                n = rows if every else 1  # "last": one row per request, its last position's
                 if uid not in stopped:
-                    on_logits(uid, start, logprobs[offset: offset + rows])
-                offset += rows
+                    on_logits(uid, start + rows - n, logprobs[offset: offset + n])
+                offset += n
         tokens = step.out.next_tokens_cpu.tolist()
         for r, tok in zip(step.members, tokens):
             if r.result.finish_reason:  # stopped at EOS a step ago: this was the wasted slot-step
