@@ -12,6 +12,7 @@ import torch
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
     from engine.kvcache import KVCachePool
+    from engine.moe.base import MoEBackend
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,17 @@ class Batch:
 
 @dataclass
 class Context:
-    """What the layers read during a forward: the batch, the KV pool, the page table, the attention backend."""
+    """What the layers read during a forward: the batch, the KV pool, the page table, the attention and MoE
+    backends."""
 
     page_size: int
     kv_cache: KVCachePool | None = None
     page_table: torch.Tensor | None = None  # [max_running_req + 1, aligned_max_seq_len] int32 token slots
     attn_backend: AttentionBackend | None = None
-    moe_backend: Any = None
+    moe_backend: MoEBackend | None = None
+    # [max rows of a forward, MoE layers] float32 when EngineConfig.record_router_margins: each MoE layer writes its
+    # tokens' router margin (engine.moe.router_margin) into its column; a static buffer, so graphs record it too
+    router_margins: torch.Tensor | None = None
     _batch: Batch | None = None
 
     @property

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -52,60 +53,87 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
     return MemoryPlan(init_free_memory, model, reserve, bytes_per_page, num_pages, bound)
 
 
-@torch.inference_mode()
-def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
-    """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
-
-    On a scratch pool just large enough, run the largest prefill (max_forward_len tokens), the largest decode batch
-    (its activations are what a CUDA graph's private pool keeps), and the sampler's worst path over
-    max_running_req rows; add the attention workspace. The sum is reserved from the KV pool's share.
-    """
+@contextmanager
+def scratch_context(engine: "Engine", config: "EngineConfig") -> Iterator[int]:
+    """The context the probes run in, before the real pool exists: a scratch KV pool just large enough for the
+    largest prefill (max_forward_len tokens) beside the largest decode batch, a page table, the attention backend
+    and (MoE models) the MoE backend, cleared on exit. Yields the largest decode batch."""
     from engine.attention import create_attention_backend
-    from engine.core import Batch, Req, SamplingParams
     from engine.kvcache import create_kvcache_pool
-    from engine.sample import Sampler
+    from engine.moe import create_moe_backend
     from engine.utils.misc import align_up
 
     ctx, mc, device = engine.ctx, config.model_config, engine.device
-    tokens = config.max_forward_len
-    max_bs = max(config.cuda_graph_bs or [1])
+    tokens, max_bs = config.max_forward_len, max(config.cuda_graph_bs or [1])
     pages = -(-tokens // config.page_size) + max_bs + 1
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
     ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
     ctx.attn_backend = create_attention_backend(config.attention_backend, mc, engine.num_qo_heads,
                                                 engine.num_kv_heads, device, engine.dtype)
-    scratch = torch.cuda.memory_allocated(device) - base
-    torch.cuda.reset_peak_memory_stats(device)
+    ctx.moe_backend = create_moe_backend(config.moe_backend, device) if mc.is_moe else None
     try:
-        probes = [("prefill", [Req(torch.zeros(tokens, dtype=torch.int32), 0, 0, 1, 0, SamplingParams(), None)]),
-                  ("decode", [Req(torch.zeros(2, dtype=torch.int32), i, 1, 1, i, SamplingParams(), None)
-                              for i in range(max_bs)])]
-        for phase, reqs in probes:
-            batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
-            batch.padded_reqs = reqs
-            n = sum(r.extend_len for r in reqs)
-            batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
-            batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
-            batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-            ctx.attn_backend.prepare_metadata(batch)
-            with ctx.forward_batch(batch):
-                engine.model.forward()
-        rows = config.max_running_req
-        logits = torch.randn(rows, mc.vocab_size, device=device)
-        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
-        batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows, phase="decode")
-        sampler = Sampler(device, mc.vocab_size)
-        sampler.sample(logits, sampler.prepare(batch))
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base - scratch
+        yield max_bs
     finally:
-        ctx.kv_cache = ctx.page_table = ctx.attn_backend = None
+        ctx.kv_cache = ctx.page_table = ctx.attn_backend = ctx.moe_backend = None
+
+
+def run_model_probes(engine: "Engine", config: "EngineConfig", max_bs: int) -> None:
+    """The largest forwards the engine will run, in a scratch_context: a prefill of max_forward_len tokens (on a
+    MoE model every one of them routed to its top-k experts: the largest grouped GEMMs and routing buffers) and a
+    decode of max_bs requests (what a CUDA graph's private pool keeps)."""
+    from engine.core import Batch, Req, SamplingParams
+
+    ctx, device = engine.ctx, engine.device
+    probes = [("prefill", [Req(torch.zeros(config.max_forward_len, dtype=torch.int32), 0, 0, 1, 0, SamplingParams(),
+                               None)]),
+              ("decode", [Req(torch.zeros(2, dtype=torch.int32), i, 1, 1, i, SamplingParams(), None)
+                          for i in range(max_bs)])]
+    for phase, reqs in probes:
+        batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+        batch.padded_reqs = reqs
+        n = sum(r.extend_len for r in reqs)
+        batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
+        batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
+        ctx.attn_backend.prepare_metadata(batch)
+        with ctx.forward_batch(batch):
+            engine.model.forward()
+
+
+@torch.inference_mode()
+def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
+    """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
+
+    The model probes (run_model_probes) and the sampler's worst path over max_running_req rows, in a scratch
+    context; add the attention workspace. The sum is reserved from the KV pool's share. A MoE model's probe
+    prefill sends identical tokens, so each chosen expert gets all of them: the torch backend's per-expert buffers
+    at their largest; the fused backend's buffers depend on tokens x top-k only.
+    """
+    from engine.core import Batch, Req, SamplingParams
+    from engine.sample import Sampler
+
+    mc, device = config.model_config, engine.device
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    try:
+        with scratch_context(engine, config) as max_bs:
+            scratch = torch.cuda.memory_allocated(device) - base
+            torch.cuda.reset_peak_memory_stats(device)
+            run_model_probes(engine, config, max_bs)
+            rows = config.max_running_req
+            logits = torch.randn(rows, mc.vocab_size, device=device)
+            worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
+            batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows,
+                          phase="decode")
+            sampler = Sampler(device, mc.vocab_size)
+            sampler.sample(logits, sampler.prepare(batch))
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base - scratch
+    finally:
         torch.cuda.empty_cache()
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 
     reserve = peak + (WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
     logger.info("measured activation peak %s (prefill of %d tokens, decode of %d, sampling %d rows); reserve %s",
-                gib(peak), tokens, max_bs, rows, gib(reserve))
+                gib(peak), config.max_forward_len, max_bs, rows, gib(reserve))
     return reserve
