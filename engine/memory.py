@@ -57,13 +57,15 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
 def scratch_context(engine: "Engine", config: "EngineConfig") -> Iterator[int]:
     """The context the probes run in, before the real pool exists: a scratch KV pool just large enough for the
     largest prefill (max_forward_len tokens) beside the largest decode batch, a page table, the attention backend
-    and (MoE models) the MoE backend, cleared on exit. Yields the largest decode batch."""
+    and (MoE models) the MoE backend; what the context held before comes back on exit. Yields the largest decode
+    batch."""
     from engine.attention import create_attention_backend
     from engine.kvcache import create_kvcache_pool
     from engine.moe import create_moe_backend
     from engine.utils.misc import align_up
 
     ctx, mc, device = engine.ctx, config.model_config, engine.device
+    saved = ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend
     tokens, max_bs = config.max_forward_len, max(config.cuda_graph_bs or [1])
     pages = -(-tokens // config.page_size) + max_bs + 1
     ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
@@ -74,7 +76,7 @@ def scratch_context(engine: "Engine", config: "EngineConfig") -> Iterator[int]:
     try:
         yield max_bs
     finally:
-        ctx.kv_cache = ctx.page_table = ctx.attn_backend = ctx.moe_backend = None
+        ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend = saved
 
 
 def run_model_probes(engine: "Engine", config: "EngineConfig", max_bs: int) -> None:

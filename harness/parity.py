@@ -61,9 +61,11 @@ FLOOR = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 KL_FLOOR = {"bfloat16": 1e-5, "float16": 1e-6}  # the distribution gate's floor for HF spreads of ~0
 HALF = ("bfloat16", "float16")
 # the router margin (relative to the row's largest |router logit|) at or below which a routing choice is a near tie:
-# fp32: the engine's logits agree with HF's to 1e-5 of their scale (tests/test_engine.py's bound); bf16 / fp16:
-# four units in the last place (eps 2^-7 / 2^-10), what a few differently rounded ops move the router's input by
-ROUTER_TIE = {"float32": 1e-5, "bfloat16": 2.0 ** -5, "float16": 2.0 ** -8}
+# fp32: the engine's logits agree with HF's to 1e-5 of their scale (tests/test_engine.py's bound); bf16 / fp16: two
+# units in the last place of the largest logit (eps 2^-7 / 2^-10): one for the logits' own rounding, one for the
+# router input's. On tiny-qwen3-moe's golden positions 18% of the engine's fp32 margins lie under the bf16 one, 0 under
+# the fp32 one (tests/test_moe.py)
+ROUTER_TIE = {"float32": 1e-5, "bfloat16": 2.0 ** -6, "float16": 2.0 ** -9}
 
 
 @dataclass

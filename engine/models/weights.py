@@ -118,8 +118,9 @@ def stack_experts(state: Dict[str, torch.Tensor], config: ModelConfig, path: str
                 raise ValueError(f"checkpoint at {path} holds expert {min(found)} of layer {i}, but num_experts is "
                                  f"{config.num_experts}")
     if groups:
+        sparse = [i for i, s in enumerate(config.moe_layers) if s]
         raise ValueError(f"checkpoint at {path} holds experts the config does not expect: {sorted(groups)[:3]} "
-                         f"(num_experts {config.num_experts}, MoE layers {[i for i, s in enumerate(config.moe_layers) if s]})")
+                         f"(num_experts {config.num_experts}, MoE layers {sparse})")
 
 
 def dummy_state_dict(model: "CausalLM", device: torch.device, dtype: torch.dtype,

@@ -21,8 +21,9 @@ def _fused_unsupported(device: torch.device, dtype: torch.dtype, config: ModelCo
         return f"it needs a CUDA device, got {device.type}"
     if dtype != torch.bfloat16:
         return f"its grouped GEMM runs bf16 (got {dtype})"
-    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
-        return f"torch._grouped_mm's kernel needs sm90 or sm100, got sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"torch._grouped_mm's kernel needs sm90 or sm100, got sm{major}{minor}"
     if config.is_moe and (config.hidden_size % 8 or (config.moe_intermediate_size // tp) % 8):
         return (f"hidden_size {config.hidden_size} and moe_intermediate_size / TP "
                 f"{config.moe_intermediate_size // tp} must be multiples of 8 (16-byte rows)")

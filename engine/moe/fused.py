@@ -53,7 +53,7 @@ class FusedMoE(MoEBackend):
         offsets = torch.searchsorted(sorted_ids, self._expert_ids(gate_up.shape[0], x.device), right=True).int()
         h = grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offsets)  # [N K, 2I]
         y = grouped_mm(self._act_and_mul(h, act), down.transpose(1, 2), offsets)  # [N K, H]
-        per_pair = torch.empty_like(y).index_copy_(0, order, y).view(n, top_k, hidden)  # back in (token, k) order
+        per_pair = y[order.argsort()].view(n, top_k, hidden)  # back in (token, k) order
         if weights_fp32:
             return torch.bmm(weights.unsqueeze(1), per_pair.float()).squeeze(1).to(x.dtype)
         return torch.bmm(weights.unsqueeze(1), per_pair).squeeze(1)
