@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, List, Literal
+from typing import TYPE_CHECKING, Any, Iterator, List, Literal, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend
     from engine.kvcache import KVCachePool
-    from engine.moe.base import MoEBackend
 
 
 @dataclass(frozen=True)
@@ -122,6 +120,20 @@ class Batch:
         return len(self.padded_reqs)
 
 
+class AttentionForward(Protocol):
+    """What the layers call on the Context's attention backend (engine.attention.base.AttentionBackend implements
+    it); stated here so that core, which the backends import, imports none of them."""
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
+
+
+class MoEForward(Protocol):
+    """What a MoE layer calls on the Context's MoE backend (engine.moe.base.MoEBackend implements it)."""
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, renormalize: bool, weights_fp32: bool, act: str) -> torch.Tensor: ...
+
+
 @dataclass
 class Context:
     """What the layers read during a forward: the batch, the KV pool, the page table, the attention and MoE
@@ -130,8 +142,8 @@ class Context:
     page_size: int
     kv_cache: KVCachePool | None = None
     page_table: torch.Tensor | None = None  # [max_running_req + 1, aligned_max_seq_len] int32 token slots
-    attn_backend: AttentionBackend | None = None
-    moe_backend: MoEBackend | None = None
+    attn_backend: AttentionForward | None = None
+    moe_backend: MoEForward | None = None
     # [max rows of a forward, MoE layers] float32 when EngineConfig.record_router_margins: each MoE layer writes its
     # tokens' router margin (engine.moe.router_margin) into its column; a static buffer, so graphs record it too
     router_margins: torch.Tensor | None = None

@@ -5,15 +5,19 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from engine.utils.misc import gib
+from engine.core import Batch, Req, SamplingParams, get_global_ctx
+from engine.sample import Sampler
+from engine.utils.misc import align_up, gib
 
 if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.kvcache import KVCachePool
+    from engine.moe.base import MoEBackend
 
 logger = logging.getLogger(__name__)
 
@@ -54,38 +58,31 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
 
 
 @contextmanager
-def scratch_context(engine: "Engine", config: "EngineConfig") -> Iterator[int]:
-    """The context the probes run in, before the real pool exists: a scratch KV pool just large enough for the
-    largest prefill (max_forward_len tokens) beside the largest decode batch, a page table, the attention backend
-    and (MoE models) the MoE backend; what the context held before comes back on exit. Yields the largest decode
-    batch."""
-    from engine.attention import create_attention_backend
-    from engine.kvcache import create_kvcache_pool
-    from engine.moe import create_moe_backend
-    from engine.utils.misc import align_up
-
-    ctx, mc, device = engine.ctx, config.model_config, engine.device
+def scratch_context(config: "EngineConfig", make_kv_pool: Callable[[int], "KVCachePool"],
+                    make_attn_backend: Callable[[], "AttentionBackend"],
+                    make_moe_backend: Callable[[], "MoEBackend | None"]) -> Iterator[int]:
+    """The global Context the probes run in, before the real pool exists: a scratch KV pool just large enough for
+    the largest prefill (max_forward_len tokens) beside the largest decode batch (make_kv_pool(pages)), a page
+    table, the attention backend over it and (MoE models) the MoE backend; what the Context held before comes back
+    on exit. Yields the largest decode batch."""
+    ctx, device = get_global_ctx(), torch.device(config.device)
     saved = ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend
     tokens, max_bs = config.max_forward_len, max(config.cuda_graph_bs or [1])
-    pages = -(-tokens // config.page_size) + max_bs + 1
-    ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
+    ctx.kv_cache = make_kv_pool(-(-tokens // config.page_size) + max_bs + 1)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
-    ctx.attn_backend = create_attention_backend(config.attention_backend, mc, engine.num_qo_heads,
-                                                engine.num_kv_heads, device, engine.dtype)
-    ctx.moe_backend = create_moe_backend(config.moe_backend, device) if mc.is_moe else None
+    ctx.attn_backend = make_attn_backend()
+    ctx.moe_backend = make_moe_backend()
     try:
         yield max_bs
     finally:
         ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend = saved
 
 
-def run_model_probes(engine: "Engine", config: "EngineConfig", max_bs: int) -> None:
+def run_model_probes(model: torch.nn.Module, config: "EngineConfig", max_bs: int) -> None:
     """The largest forwards the engine will run, in a scratch_context: a prefill of max_forward_len tokens (on a
     MoE model every one of them routed to its top-k experts: the largest grouped GEMMs and routing buffers) and a
     decode of max_bs requests (what a CUDA graph's private pool keeps)."""
-    from engine.core import Batch, Req, SamplingParams
-
-    ctx, device = engine.ctx, engine.device
+    ctx, device = get_global_ctx(), torch.device(config.device)
     probes = [("prefill", [Req(torch.zeros(config.max_forward_len, dtype=torch.int32), 0, 0, 1, 0, SamplingParams(),
                                None)]),
               ("decode", [Req(torch.zeros(2, dtype=torch.int32), i, 1, 1, i, SamplingParams(), None)
@@ -97,31 +94,31 @@ def run_model_probes(engine: "Engine", config: "EngineConfig", max_bs: int) -> N
         batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
         batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
         batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-        ctx.attn_backend.prepare_metadata(batch)
+        ctx.attn_backend.prepare_metadata(batch)  # type: ignore[union-attr]
         with ctx.forward_batch(batch):
-            engine.model.forward()
+            model.forward()
 
 
 @torch.inference_mode()
-def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
+def measure_activation_peak(model: torch.nn.Module, config: "EngineConfig",
+                            make_kv_pool: Callable[[int], "KVCachePool"],
+                            make_attn_backend: Callable[[], "AttentionBackend"],
+                            make_moe_backend: Callable[[], "MoEBackend | None"]) -> int:
     """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
 
-    The model probes (run_model_probes) and the sampler's worst path over max_running_req rows, in a scratch
-    context; add the attention workspace. The sum is reserved from the KV pool's share. A MoE model's probe
+    The model probes (run_model_probes) and the sampler's worst path over max_running_req rows, in a
+    scratch_context; add the attention workspace. The sum is reserved from the KV pool's share. A MoE model's probe
     prefill sends identical tokens, so each chosen expert gets all of them: the torch backend's per-expert buffers
     at their largest; the fused backend's buffers depend on tokens x top-k only.
     """
-    from engine.core import Batch, Req, SamplingParams
-    from engine.sample import Sampler
-
-    mc, device = config.model_config, engine.device
+    mc, device = config.model_config, torch.device(config.device)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     try:
-        with scratch_context(engine, config) as max_bs:
+        with scratch_context(config, make_kv_pool, make_attn_backend, make_moe_backend) as max_bs:
             scratch = torch.cuda.memory_allocated(device) - base
             torch.cuda.reset_peak_memory_stats(device)
-            run_model_probes(engine, config, max_bs)
+            run_model_probes(model, config, max_bs)
             rows = config.max_running_req
             logits = torch.randn(rows, mc.vocab_size, device=device)
             worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path

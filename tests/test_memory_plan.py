@@ -286,9 +286,11 @@ def test_memory_probes_send_the_largest_prefill_through_every_moe_layer() -> Non
         hooks = [b.register_forward_hook(lambda m, args, out: seen.append(
             (m.moe_index, args[0].shape[0], type(eng.ctx.moe_backend).__name__))) for b in blocks]
         before = eng.ctx.moe_backend
-        with torch.inference_mode(), scratch_context(eng, eng.config) as max_bs:
+        makers = (lambda pages: eng._make_kv_pool(eng.config, pages), lambda: eng._make_attn_backend(eng.config),
+                  lambda: eng._make_moe_backend(eng.config))
+        with torch.inference_mode(), scratch_context(eng.config, *makers) as max_bs:
             assert eng.ctx.moe_backend is not before  # the probes' own backend, of the engine's choice
-            run_model_probes(eng, eng.config, max_bs)
+            run_model_probes(eng.model, eng.config, max_bs)
         assert eng.ctx.moe_backend is before  # the context comes back as it was
         for h in hooks:
             h.remove()

@@ -18,9 +18,11 @@ from engine.moe import router_margin
 from engine.moe.fused import FusedMoE
 from engine.moe.torch_backend import TorchMoE
 from harness import golden as G
-from harness import parity, zoo
+from harness import zoo
 from harness.driver import Driver
-from harness.parity_report import write_report
+from harness.parity.gate import ROUTER_TIE
+from harness.parity.report import write_report
+from harness.parity.run import run_parity
 
 MODEL = "tiny-qwen3-moe"
 
@@ -107,7 +109,7 @@ def test_a_planted_router_near_tie_is_detected():
         after = _margins(engine, prompts)
     finally:
         engine.shutdown()
-    tie, half = parity.ROUTER_TIE["float32"], parity.ROUTER_TIE["bfloat16"]
+    tie, half = ROUTER_TIE["float32"], ROUTER_TIE["bfloat16"]
     print(f"positions under the margin {tie:g}: {(before <= tie).sum()} of {before.size} before, "
           f"{(after <= tie).sum()} after planting; median margin {np.median(before):.3g}; under bf16's {half:g}: "
           f"{(before <= half).mean():.0%}")
@@ -122,8 +124,8 @@ def test_router_near_ties_are_counted_and_reported_per_path(monkeypatch, tmp_pat
     import shutil
 
     shutil.copytree(G.golden_dir(*where), G.golden_dir(*where, root=tmp_path))
-    monkeypatch.setitem(parity.ROUTER_TIE, "float32", 0.05)
-    result = parity.run_parity(MODEL, paths=["batch"], golden_root=tmp_path)
+    monkeypatch.setitem(ROUTER_TIE, "float32", 0.05)  # the dict the gate reads
+    result = run_parity(MODEL, paths=["batch"], golden_root=tmp_path)
     text = write_report(result, write_files=False)
     print(text)
     assert result.passed and result.router_tie == 0.05
@@ -192,7 +194,7 @@ def test_cuda_engine_chooses_the_moe_backend_and_graphs(backend, graphs):
 def test_bench_floor_counts_the_experts_a_step_touches():
     """The bench's bytes of a forward: the dense weights, plus per MoE layer the experts its tokens touch (top-k at
     one token, about all at a large batch); its FLOPs: each token's top-k experts only."""
-    from harness.bench_limits import model_cost
+    from harness.bench.limits import model_cost
 
     engine = Engine(EngineConfig(model_path=str(zoo.path(MODEL)), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
                                  device="cpu", num_page_override=64, max_seq_len_override=64))
