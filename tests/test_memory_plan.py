@@ -310,7 +310,7 @@ def test_measured_reserve_covers_the_moe_peak() -> None:
 
     eng = Engine(EngineConfig(model_path=str(zoo.path(MOE_MODEL)), tp_info=DistributedInfo(0, 1),
                               dtype=torch.bfloat16, max_seq_len_override=4096, max_running_req=16,
-                              max_prefill_tokens=4096))
+                              max_prefill_tokens=4096, num_page_override=1024))  # the reserve is measured anyway
     try:
         block = next(m for m in eng.model.modules() if isinstance(m, SparseMoE))
         x = torch.randn(eng.config.max_forward_len, eng.config.model_config.hidden_size, device=eng.device,

@@ -80,7 +80,7 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_h
     n_hf, cap = spec.hf_offline
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
     on_gpu = device.startswith("cuda")
-    for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu else []):
+    for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu and spec.eager else []):
         engine = _engine(model, device, dtype, spec, graphs)
         cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
         driver = Driver(engine, max_prefill_tokens=8192)
