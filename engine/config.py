@@ -26,7 +26,7 @@ class EngineConfig:
     max_running_req: int = 256
     attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), torch otherwise
     ops_backend: str = "auto"  # norms, RoPE, activations: auto = FlashInfer's fused kernels on CUDA (half precision)
-    moe_backend: str = "auto"
+    moe_backend: str = "auto"  # MoE models: auto = fused grouped GEMMs on CUDA in bf16, the torch reference otherwise
     cuda_graph_bs: List[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to cuda_graph_max_bs
     cuda_graph_max_bs: int | None = None  # None: min(max_running_req, 256); 0 disables graphs
     # Prefill and extend CUDA graphs (CUDA with FlashInfer only): the most tokens one graph forward carries (graphs
@@ -44,6 +44,7 @@ class EngineConfig:
     num_page_override: int | None = None
     max_prefill_tokens: int | None = None  # most tokens one forward may carry (None: max_seq_len); sizes the reserve
     seed: int = 42  # torch's seed and the sampler's: requests without a seed of their own draw from it
+    record_router_margins: bool = False  # MoE: hand back each token's router margins with the logits (parity)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

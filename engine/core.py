@@ -129,15 +129,26 @@ class AttentionForward(Protocol):
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
 
 
+class MoEForward(Protocol):
+    """What a MoE layer calls on the Context's MoE backend (engine.moe.base.MoEBackend implements it)."""
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                top_k: int, renormalize: bool, weights_fp32: bool, act: str) -> torch.Tensor: ...
+
+
 @dataclass
 class Context:
-    """What the layers read during a forward: the batch, the KV pool, the page table, the attention backend."""
+    """What the layers read during a forward: the batch, the KV pool, the page table, the attention and MoE
+    backends."""
 
     page_size: int
     kv_cache: KVCachePool | None = None
     page_table: torch.Tensor | None = None  # [max_running_req + 1, aligned_max_seq_len] int32 token slots
     attn_backend: AttentionForward | None = None
-    moe_backend: Any = None
+    moe_backend: MoEForward | None = None
+    # [max rows of a forward, MoE layers] float32 when EngineConfig.record_router_margins: each MoE layer writes its
+    # tokens' router margin (engine.moe.router_margin) into its column; a static buffer, so graphs record it too
+    router_margins: torch.Tensor | None = None
     _batch: Batch | None = None
 
     @property

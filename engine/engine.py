@@ -22,6 +22,7 @@ from engine.layers.ops import create_ops, resolve_ops_backend
 from engine.memory import MemoryPlan, Reserve, measure_reserve, plan_num_pages
 from engine.models import create_model, dummy_state_dict, load_weight_state_dict
 from engine.models.decoder import heads_per_rank
+from engine.moe import MoEBackend, create_moe_backend, resolve_moe_backend
 from engine.sample import BatchSamplingArgs, Sampler
 from engine.utils.device import create_event, create_stream, free_memory, is_cuda, physical_cores, set_stream
 from engine.utils.hf import check_model_dir
@@ -36,6 +37,8 @@ class ForwardOutput:
     next_tokens_cpu: torch.Tensor  # [bs] int32 on the host, valid after copy_done_event.synchronize()
     copy_done_event: Any
     logits: torch.Tensor | None = None  # float32 [bs or num_tokens, vocab] when the batch asked for them
+    # float32 [the logits' rows, MoE layers]: each row's router margin per MoE layer (record_router_margins)
+    router_margins: torch.Tensor | None = None
 
 
 class Engine:
@@ -82,8 +85,14 @@ class Engine:
         self.ctx.page_table = self.page_table = torch.zeros(
             (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device)
 
-        # the attention backend (reads the pool, so it comes after it) and the sampler
+        # the attention backend (reads the pool, so it comes after it), the MoE backend and the sampler
         self.ctx.attn_backend = self.attn_backend = self._make_attn_backend(config)
+        self.moe_backend = None
+        if config.model_config.is_moe:
+            self.ctx.moe_backend = self.moe_backend = self._make_moe_backend(config)
+            if config.record_router_margins:
+                rows = max(config.max_forward_len, config.max_running_req)
+                self.ctx.router_margins = torch.zeros(rows, sum(config.model_config.moe_layers), device=self.device)
         self.sampler = Sampler(self.device, config.model_config.vocab_size, seed=config.seed)
 
         # the dummy request and CUDA graphs (capturing runs the model, so it comes last)
@@ -139,7 +148,7 @@ class Engine:
         if not is_cuda(self.device):
             return 0
         self.reserve = measure_reserve(self.model, config, lambda pages: self._make_kv_pool(config, pages),
-                                       lambda: self._make_attn_backend(config))
+                                       lambda: self._make_attn_backend(config), lambda: self._make_moe_backend(config))
         return self.reserve.total
 
     def _make_kv_pool(self, config: EngineConfig, num_pages: int) -> KVCachePool:
@@ -149,6 +158,9 @@ class Engine:
     def _make_attn_backend(self, config: EngineConfig) -> AttentionBackend:
         return create_attention_backend(config.attention_backend, config.model_config, self.num_qo_heads,
                                         self.num_kv_heads, self.device, self.dtype)
+
+    def _make_moe_backend(self, config: EngineConfig) -> MoEBackend | None:
+        return create_moe_backend(config.moe_backend, self.device) if config.model_config.is_moe else None
 
     # ------------------------------------------------------------------ the one method
     @torch.inference_mode()
@@ -173,7 +185,18 @@ class Engine:
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         out_logits = logits.float() if batch.return_logits != "none" else None
-        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, out_logits)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, out_logits, self._margins(batch))
+
+    def _margins(self, batch: Batch) -> torch.Tensor | None:
+        """The router margins of the rows forward_batch returns logits for (a copy: the buffer is reused)."""
+        margins = self.ctx.router_margins
+        if margins is None or batch.return_logits == "none":
+            return None
+        if batch.is_decode:
+            return margins[: batch.size].clone()
+        if batch.return_logits == "all":
+            return margins[: batch.input_ids.shape[0]].clone()
+        return margins[batch.attn_metadata.last_indices()[: batch.size]]
 
     def _check_prefill(self, batch: Batch) -> None:
         """Host-side checks of what a user controls; a bad id would otherwise fail deep inside a kernel."""
@@ -199,9 +222,10 @@ class Engine:
             self.graph_runner.destroy()
         # the TP group too: gloo closes its sockets only when the group object is freed
         self.model = self.kv_cache = self.page_table = self.attn_backend = None  # type: ignore[assignment]
-        self.graph_runner = self.tp_cpu_group = None
+        self.graph_runner = self.tp_cpu_group = self.moe_backend = None
         if getattr(self, "ctx", None) is not None:
             self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
+            self.ctx.moe_backend = self.ctx.router_margins = None
         set_global_ctx(None)
         set_stream(None)
         destroy_process_groups()
@@ -218,7 +242,11 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     mc = config.model_config
     div_even(mc.num_qo_heads, config.tp_info.size)  # raises a clear error when TP does not divide the heads
     div_even(mc.num_kv_heads, config.tp_info.size, allow_replicate=True)
-    div_even(mc.intermediate_size, config.tp_info.size)
+    if not mc.is_moe or not all(mc.moe_layers):  # some layer keeps the dense MLP
+        div_even(mc.intermediate_size, config.tp_info.size)
+    if mc.is_moe and mc.moe_intermediate_size % config.tp_info.size:
+        raise ValueError(f"moe_intermediate_size {mc.moe_intermediate_size} (each of the {mc.num_experts} experts' "
+                         f"intermediate dimension, which TP splits) is not divisible by TP size {config.tp_info.size}")
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -228,15 +256,17 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
     backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
     ops = resolve_ops_backend(config.ops_backend, torch.device(device), config.dtype)
+    moe = resolve_moe_backend(config.moe_backend, torch.device(device), config.dtype, mc, config.tp_info.size)
     graph_bs: List[int] = []
     prefill_tokens = 0
-    if device.startswith("cuda") and backend == "flashinfer":
+    # the torch MoE reference reads its routing on the host, which a CUDA graph cannot capture: decode runs eagerly
+    if device.startswith("cuda") and backend == "flashinfer" and not (mc.is_moe and moe == "torch"):
         max_bs = config.cuda_graph_max_bs if config.cuda_graph_max_bs is not None else min(config.max_running_req, 256)
         graph_bs = config.cuda_graph_bs or [b for b in [1, 2, 4] + list(range(8, max_bs + 1, 8)) if b <= max_bs]
         if any(b > config.max_running_req for b in graph_bs):
             raise ValueError(f"cuda_graph_bs {graph_bs} exceeds max_running_req {config.max_running_req}")
         prefill_tokens = _prefill_graph_tokens(config)
-    return dataclasses.replace(config, device=device, attention_backend=backend, ops_backend=ops,
+    return dataclasses.replace(config, device=device, attention_backend=backend, ops_backend=ops, moe_backend=moe,
                                cuda_graph_bs=graph_bs, cuda_graph_max_bs=max(graph_bs, default=0),
                                prefill_graph_tokens=prefill_tokens,
                                prefill_graph_max_reqs=min(config.prefill_graph_max_reqs, config.max_running_req))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List
+from typing import TYPE_CHECKING, Callable, Iterator, List
 
 import torch
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend
     from engine.config import EngineConfig
     from engine.kvcache import KVCachePool
+    from engine.moe.base import MoEBackend
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +74,58 @@ class Reserve:
         return self.activations + self.graphs + self.workspace
 
 
+@contextmanager
+def scratch_context(config: "EngineConfig", make_kv_pool: Callable[[int], "KVCachePool"],
+                    make_attn_backend: Callable[[], "AttentionBackend"],
+                    make_moe_backend: Callable[[], "MoEBackend | None"]) -> Iterator[int]:
+    """The global Context the probes run in, before the real pool exists: a scratch KV pool just large enough for
+    the largest prefill (max_forward_len tokens) beside the largest decode batch (make_kv_pool(pages)), a page
+    table, the attention backend over it and (MoE models) the MoE backend; what the Context held before comes back
+    on exit. Yields the largest decode batch."""
+    ctx, device = get_global_ctx(), torch.device(config.device)
+    saved = ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend
+    tokens, max_bs = config.max_forward_len, max(config.cuda_graph_bs or [1])
+    ctx.kv_cache = make_kv_pool(-(-tokens // config.page_size) + max_bs + 1)
+    ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
+    ctx.attn_backend = make_attn_backend()
+    ctx.moe_backend = make_moe_backend()
+    try:
+        yield max_bs
+    finally:
+        ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend = saved
+
+
+def probe_forward(model: torch.nn.Module, config: "EngineConfig", phase: str, lengths: List[int]) -> None:
+    """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table). The tokens
+    are identical, so on a MoE model each chosen expert gets all of them: the per-expert buffers at their largest."""
+    ctx, device = get_global_ctx(), torch.device(config.device)
+    cached = 0 if phase == "prefill" else 1
+    reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
+            for i, n in enumerate(lengths)]
+    batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
+    batch.padded_reqs = reqs
+    n = sum(lengths)
+    batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+    batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
+    batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
+    ctx.attn_backend.prepare_metadata(batch)  # type: ignore[union-attr]
+    with ctx.forward_batch(batch):
+        model.forward()
+
+
+def run_model_probes(model: torch.nn.Module, config: "EngineConfig", max_bs: int) -> None:
+    """The largest forwards the engine runs eagerly, in a scratch_context: a prefill of max_forward_len tokens (on a
+    MoE model every one of them routed to its top-k experts: the largest grouped GEMMs and routing buffers) and a
+    decode of max_bs requests."""
+    probe_forward(model, config, "prefill", [config.max_forward_len])
+    probe_forward(model, config, "decode", [1] * max_bs)
+
+
 @torch.inference_mode()
-def measure_reserve(model: torch.nn.Module, config: EngineConfig, make_kv_pool: Callable[[int], KVCachePool],
-                    make_attn_backend: Callable[[], AttentionBackend]) -> Reserve:
-    """Measured on CUDA before the KV pool exists, on a scratch pool just large enough (make_kv_pool(pages), with the
-    backend make_attn_backend() over it, both installed in the global Context for the probe).
+def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool: Callable[[int], "KVCachePool"],
+                    make_attn_backend: Callable[[], "AttentionBackend"],
+                    make_moe_backend: Callable[[], "MoEBackend | None"]) -> Reserve:
+    """Measured on CUDA before the KV pool exists, in a scratch_context.
 
     Eager forwards run beside the graphs, so the two add up. activations: the peak of the largest prefill
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
@@ -89,15 +138,10 @@ def measure_reserve(model: torch.nn.Module, config: EngineConfig, make_kv_pool: 
     from engine.attention.base import layer_windows
     from engine.graph import token_buckets
 
-    ctx, mc, device = get_global_ctx(), config.model_config, torch.device(config.device)
+    mc, device = config.model_config, torch.device(config.device)
     tokens = config.max_forward_len
     graph_bs = config.cuda_graph_bs or []
     buckets = token_buckets(config.prefill_graph_tokens or 0)
-    max_bs = max(graph_bs or [1])
-    pages = -(-tokens // config.page_size) + max_bs + 1
-    ctx.kv_cache = make_kv_pool(pages)
-    ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
-    ctx.attn_backend = attn_backend = make_attn_backend()
 
     def peak(run: Callable[[], object]) -> int:
         torch.cuda.synchronize(device)
@@ -108,32 +152,19 @@ def measure_reserve(model: torch.nn.Module, config: EngineConfig, make_kv_pool: 
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_reserved(device) - base
 
-    def forward(phase: str, lengths: List[int]) -> None:
-        """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table)."""
-        cached = 0 if phase == "prefill" else 1
-        reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
-                for i, n in enumerate(lengths)]
-        batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
-        batch.padded_reqs = reqs
-        n = sum(lengths)
-        batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
-        batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
-        batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-        attn_backend.prepare_metadata(batch)
-        with ctx.forward_batch(batch):
-            model.forward()
-
     try:
-        prefill = {n: peak(lambda n=n: forward("prefill", [n])) for n in {tokens, *buckets[-1:]}}
-        decode = peak(lambda: forward("decode", [1] * max_bs))
-        rows = config.max_running_req
-        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
-        batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows, phase="decode")
-        sampler = Sampler(device, mc.vocab_size)
-        sampling = peak(lambda: sampler.sample(torch.randn(rows, mc.vocab_size, device=device),
-                                               sampler.prepare(batch)))
+        with scratch_context(config, make_kv_pool, make_attn_backend, make_moe_backend) as max_bs:
+            prefill = {n: peak(lambda n=n: probe_forward(model, config, "prefill", [n]))
+                       for n in {tokens, *buckets[-1:]}}
+            decode = peak(lambda: probe_forward(model, config, "decode", [1] * max_bs))
+            rows = config.max_running_req
+            worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
+            batch = Batch(reqs=[Req(torch.zeros(1, dtype=torch.int32), 0, 0, 1, 0, worst, None)] * rows,
+                          phase="decode")
+            sampler = Sampler(device, mc.vocab_size)
+            sampling = peak(lambda: sampler.sample(torch.randn(rows, mc.vocab_size, device=device),
+                                                   sampler.prepare(batch)))
     finally:
-        ctx.kv_cache = ctx.page_table = ctx.attn_backend = attn_backend = None
         torch.cuda.empty_cache()
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 

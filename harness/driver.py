@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # (uid, first position of these rows, logprobs [rows, vocab] float32) -> None
 LogitsHook = Callable[[int, int, torch.Tensor], None]
+# (uid, first position, router margins [rows, MoE layers] float32) -> None; needs EngineConfig.record_router_margins
+RouterHook = Callable[[int, int, torch.Tensor], None]
 Phase = Literal["prefill", "decode"]
 
 
@@ -155,13 +157,14 @@ class Driver:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  eos_ids: Sequence[int] = (), forced: Sequence[Sequence[int]] | None = None,
                  prefix_lens: Sequence[int] | None = None, on_logits: LogitsHook | None = None,
-                 on_step: StepHook | None = None) -> List[GenResult]:
+                 on_step: StepHook | None = None, on_router: RouterHook | None = None) -> List[GenResult]:
         """Run every prompt to completion; results in prompt order.
 
         forced: feed these tokens instead of the sampled ones (teacher forcing); each request then makes
         len(forced[i]) steps. prefix_lens: prefill that many prompt tokens first, then the rest as an extend over
-        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position. on_step: called
-        after every launch, to check the pool and the pages between steps.
+        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position; on_router the
+        same positions' router margins, when the engine records them. on_step: called after every launch, to check
+        the pool and the pages between steps.
         """
         n = len(prompts)
         plist = list(params) if isinstance(params, Sequence) else [params] * n
@@ -187,11 +190,11 @@ class Driver:
                         list(self.pages.free_pages)))
             if self.overlap:
                 for step in pending:
-                    self._process(step, eos, results, on_logits)
+                    self._process(step, eos, results, on_logits, on_router)
                 pending = steps
             else:
                 for step in steps:
-                    self._process(step, eos, results, on_logits)
+                    self._process(step, eos, results, on_logits, on_router)
         self._close_records(first)
         self.pages.check_no_leak()
         return [results[uid] for uid in range(n)]
@@ -346,7 +349,7 @@ class Driver:
             self.token_pool[rows[list(idx)], positions[list(idx)]] = values
 
     def _process(self, step: _Step, eos: frozenset, results: Dict[int, GenResult],
-                 on_logits: LogitsHook | None) -> None:
+                 on_logits: LogitsHook | None, on_router: RouterHook | None = None) -> None:
         t = time.perf_counter()
         step.out.copy_done_event.synchronize()
         step.record.host["wait"] = time.perf_counter() - t
@@ -356,10 +359,13 @@ class Driver:
             stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
             every = step.batch.return_logits == "all"
             offset = 0
+            margins = step.out.router_margins if on_router is not None else None
             for uid, start, rows in step.spans:  # positions [cached_len, device_len) as they were before the forward
                 n = rows if every else 1  # "last": one row per request, its last position's
                 if uid not in stopped:
                     on_logits(uid, start + rows - n, logprobs[offset: offset + n])
+                    if margins is not None:
+                        on_router(uid, start + rows - n, margins[offset: offset + n])
                 offset += n
         tokens = step.out.next_tokens_cpu.tolist()
         for r, tok in zip(step.members, tokens):

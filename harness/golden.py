@@ -33,7 +33,7 @@ LONG_PROMPT_MODELS = ("gemma3-270m", "tiny-gemma3")
 NO_CHAT_TEMPLATE = ("gemma3-270m",)  # its GGUF carries no chat template: the chat prompt is left out
 TOP_K = 64
 NEW_TOKENS = 32
-GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied", "tiny-gemma3", "gemma3-270m")
+GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied", "tiny-gemma3", "gemma3-270m", "tiny-qwen3-moe")
 # A golden made under other values of these is not comparable: refuse, and say how to regenerate.
 IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
 
@@ -181,8 +181,10 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
                                 prefill_ids, prefill_lp, decode_ids, decode_lp))
     stats = hf_spread(hf, hf_eager, _sequences(out), device)
     dtype_name = str(dtype).removeprefix("torch.")
+    experts = getattr(hf.config, "_experts_implementation", None) if hasattr(hf.config, "num_experts_per_tok") else None
     prov = provenance(device, **expected_identity(model, device.split(":")[0], dtype_name),
-                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", **_spread_provenance(stats))
+                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", **_spread_provenance(stats),
+                      **({"experts_implementation": experts} if experts else {}))
     return GoldenSet(out, prov)
 
 

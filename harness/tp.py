@@ -135,6 +135,7 @@ class RankOutput:
     # uid -> [prompt_len - 1 + generated, vocab] in position order: row i predicts the token at position i + 1;
     # log_softmax(row) is what Driver's on_logits hook receives
     logits: Dict[int, torch.Tensor] | None = None
+    router_margins: Dict[int, torch.Tensor] | None = None  # uid -> [rows as logits, MoE layers] when recorded
 
 
 DEFAULT_ENGINE_KWARGS: Dict[str, Any] = {"dtype": torch.float32, "device": "cpu", "max_running_req": 8,
@@ -159,6 +160,7 @@ def generate_on_rank(rank: int, size: int, port: int, run: TPRun) -> RankOutput:
         if run.seed is not None:
             torch.manual_seed(run.seed + rank)
         logits: Dict[int, List[torch.Tensor]] = {}
+        margins: Dict[int, List[torch.Tensor]] = {}
         if run.record_logits:
             forward_batch = engine.forward_batch
 
@@ -168,6 +170,8 @@ def generate_on_rank(rank: int, size: int, port: int, run: TPRun) -> RankOutput:
                 offset = 0
                 for uid, rows in spans:
                     logits.setdefault(uid, []).append(out.logits[offset: offset + rows].clone())
+                    if out.router_margins is not None:
+                        margins.setdefault(uid, []).append(out.router_margins[offset: offset + rows].cpu())
                     offset += rows
                 return out
 
@@ -176,7 +180,8 @@ def generate_on_rank(rank: int, size: int, port: int, run: TPRun) -> RankOutput:
             run.prompts, run.params, eos_ids=run.eos_ids, forced=run.forced, prefix_lens=run.prefix_lens,
             on_logits=(lambda *_: None) if run.record_logits else None)
         return RankOutput(rank, size, results, engine.num_pages, engine.max_seq_len,
-                          {uid: torch.cat(parts) for uid, parts in logits.items()} if run.record_logits else None)
+                          {uid: torch.cat(parts) for uid, parts in logits.items()} if run.record_logits else None,
+                          {uid: torch.cat(parts) for uid, parts in margins.items()} if margins else None)
     finally:
         engine.__dict__.pop("forward_batch", None)  # the recording wrapper: no engine -> closure -> engine cycle
         engine.shutdown()

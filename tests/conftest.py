@@ -14,7 +14,7 @@ from engine.distributed import DistributedInfo
 from harness import golden as G
 from harness import zoo
 
-MODELS = ["smollm2-135m", "tiny-qwen3"]
+MODELS = ["smollm2-135m", "tiny-qwen3", "tiny-qwen3-moe"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Les mathématiques sont",
            "Once upon a time in a land far away, there lived a"]
 

@@ -106,3 +106,65 @@ def test_request_larger_than_the_pool(engine):
 def test_prompt_over_max_forward_len(engine):
     with pytest.raises(ValueError, match="prompt of 20 tokens exceeds the engine's max_forward_len 16"):
         Driver(engine).generate([[1] * 20], SamplingParams(max_tokens=1))
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def _moe_copy(tmp_path, weights: bool = False, **changes):
+    """tiny-qwen3-moe's config.json (and its weights when asked) in tmp_path; a change of None drops the field."""
+    import shutil
+
+    src = zoo.path("tiny-qwen3-moe")
+    cfg = json.loads((src / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if weights:
+        shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("field, named", [("num_local_experts", "num_experts / num_local_experts"),
+                                          ("num_experts_per_tok", "num_experts_per_tok"),
+                                          ("moe_intermediate_size", "moe_intermediate_size"),
+                                          ("norm_topk_prob", "norm_topk_prob")])
+def test_moe_config_missing_a_field(tmp_path, field, named):
+    with pytest.raises(ValueError, match=f"Qwen3MoeForCausalLM config.json lacks {named}: a mixture-of-experts model "
+                                         "must state it"):
+        Engine(config(_moe_copy(tmp_path, **{field: None})))
+
+
+def test_moe_more_experts_per_token_than_experts(tmp_path):
+    with pytest.raises(ValueError, match=r"num_experts_per_tok 9 must lie in \[1, num_experts 8\]"):
+        Engine(config(_moe_copy(tmp_path, num_experts_per_tok=9)))
+
+
+def test_tp_size_that_does_not_divide_the_experts(tmp_path):
+    """Checked before any rendezvous, like the heads: 4 heads and 512 dense rows divide by 4, 126 expert rows do not."""
+    cfg = EngineConfig(model_path=str(_moe_copy(tmp_path, moe_intermediate_size=126)), tp_info=DistributedInfo(0, 4),
+                       dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 126 \(each of the 8 experts' intermediate dimension, "
+                                         r"which TP splits\) is not divisible by TP size 4"):
+        Engine(cfg)
+
+
+def test_checkpoint_missing_an_expert(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _moe_copy(tmp_path, weights=True)
+    state = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in state.items() if ".layers.2.mlp.experts.5." not in k}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks expert 5 of layer 2 \(model\.layers\.2\.mlp\.experts\.5\.gate_proj / "
+                                         r"up_proj\.weight; 1 of 8 experts missing there\)"):
+        Engine(config(folder))
+
+
+@pytest.mark.parametrize("backend, message", [("fast", "unknown MoE backend 'fast'; choose one of: auto, torch, fused"),
+                                              ("fused", "the fused MoE backend cannot run here: it needs a CUDA "
+                                                        "device, got cpu; use moe_backend='torch'")])
+def test_bad_moe_backend(backend, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(config(zoo.path("tiny-qwen3-moe"), moe_backend=backend))

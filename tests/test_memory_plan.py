@@ -262,3 +262,69 @@ def test_engine_passes_num_page_override(events: List[str], build: Callable[...,
 def test_engine_refuses_a_pool_of_fewer_than_two_pages(events: List[str], build: Callable[..., Engine]) -> None:
     with pytest.raises(ValueError, match="not enough memory for the KV cache: 1 page"):
         build(cpu_kv_cache_bytes=2 * hand_bytes_per_page(1, 4) - 1)
+
+
+# ------------------------------------------------------------------------------------------ the MoE's peak
+MOE_MODEL = "tiny-qwen3-moe"
+
+
+def test_memory_probes_send_the_largest_prefill_through_every_moe_layer() -> None:
+    """The reserve is measured (on CUDA) over run_model_probes in a scratch_context, which holds the engine's MoE
+    backend: its prefill of max_forward_len tokens reaches every MoE layer whole, each token routed to its top-k
+    experts (the largest grouped GEMMs and routing buffers), then the largest decode batch. The same probes, run
+    here on the CPU, with a forward hook on each MoE block counting what it routed."""
+    from engine.layers.moe import SparseMoE
+    from engine.memory import run_model_probes, scratch_context
+    from engine.moe.torch_backend import TorchMoE
+
+    eng = Engine(EngineConfig(model_path=str(zoo.path(MOE_MODEL)), tp_info=DistributedInfo(0, 1),
+                              dtype=torch.float32, device="cpu", num_page_override=64, max_seq_len_override=256,
+                              max_prefill_tokens=96))
+    seen: List[tuple] = []
+    try:
+        blocks = [m for m in eng.model.modules() if isinstance(m, SparseMoE)]
+        hooks = [b.register_forward_hook(lambda m, args, out: seen.append(
+            (m.moe_index, args[0].shape[0], type(eng.ctx.moe_backend).__name__))) for b in blocks]
+        before = eng.ctx.moe_backend
+        makers = (lambda pages: eng._make_kv_pool(eng.config, pages), lambda: eng._make_attn_backend(eng.config),
+                  lambda: eng._make_moe_backend(eng.config))
+        with torch.inference_mode(), scratch_context(eng.config, *makers) as max_bs:
+            assert eng.ctx.moe_backend is not before  # the probes' own backend, of the engine's choice
+            run_model_probes(eng.model, eng.config, max_bs)
+        assert eng.ctx.moe_backend is before  # the context comes back as it was
+        for h in hooks:
+            h.remove()
+    finally:
+        eng.shutdown()
+    top_k = eng.config.model_config.num_experts_per_tok
+    assert len(blocks) == 3 and top_k == 2
+    assert seen == [(i, 96, TorchMoE.__name__) for i in range(3)] + [(i, max_bs, TorchMoE.__name__) for i in range(3)]
+
+
+@pytest.mark.cuda
+def test_measured_reserve_covers_the_moe_peak() -> None:
+    """On CUDA in bf16 (the fused backend): the engine's reserve is at least what one MoE block alone allocates at
+    its peak over a prefill of max_forward_len tokens with spread routing (random hidden states)."""
+    from engine.core import get_global_ctx
+    from engine.layers.moe import SparseMoE
+
+    eng = Engine(EngineConfig(model_path=str(zoo.path(MOE_MODEL)), tp_info=DistributedInfo(0, 1),
+                              dtype=torch.bfloat16, max_seq_len_override=4096, max_running_req=16,
+                              max_prefill_tokens=4096, num_page_override=1024))  # the reserve is measured anyway
+    try:
+        block = next(m for m in eng.model.modules() if isinstance(m, SparseMoE))
+        x = torch.randn(eng.config.max_forward_len, eng.config.model_config.hidden_size, device=eng.device,
+                        dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            assert get_global_ctx().moe_backend is not None
+            block(x)
+        torch.cuda.synchronize()
+        moe_peak = torch.cuda.max_memory_allocated() - base
+        print(f"reserve {eng.plan.reserve / 2**20:.1f} MiB, one MoE block at {x.shape[0]} tokens "
+              f"{moe_peak / 2**20:.1f} MiB ({eng.config.moe_backend})")
+        assert eng.config.moe_backend == "fused" and eng.plan.reserve >= moe_peak > 0
+    finally:
+        eng.shutdown()

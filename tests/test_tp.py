@@ -4,6 +4,8 @@ Worlds (each spawned once per module, its ranks run several engines one after an
     tiny-qwen3         TP=2  4 q / 2 KV heads: 2 q + 1 KV per rank
     smollm2-135m       TP=3  9 q / 3 KV heads: 3 q + 1 KV per rank (TP=2 does not divide 9: a clear error)
     tiny-qwen3-untied  TP=4  2 KV heads replicated over 4 ranks (allow_replicate), untied vocab-parallel LM head
+    tiny-qwen3-moe     TP=2  8 experts split along their intermediate dimension (64 of 128 per rank), the router
+                             replicated, one all-reduce per MoE layer
 Each world also checks vocab-parallel padding with a vocabulary its TP size does not divide (49152 is divisible
 by 2, 3 and 4, so the real models never pad). Every world reuses one port for all its engines, and its last step
 joins a new world the moment the previous Engine is shut down: before engine/distributed.py owned rank 0's
@@ -191,6 +193,11 @@ def untied_tp4() -> SimpleNamespace:
     return _run_world("tiny-qwen3-untied", 4, [], vocab=5)
 
 
+@pytest.fixture(scope="module")
+def moe_tp2() -> SimpleNamespace:
+    return _run_world("tiny-qwen3-moe", 2, [], vocab=7)
+
+
 def _part(rank_out: Dict[str, Any], name: str) -> Any:
     part = rank_out[name]
     assert not (isinstance(part, dict) and "error" in part), f"{name} failed on a rank:\n{part['error']}"
@@ -240,7 +247,11 @@ def test_tiny_qwen3_untied_tp4_replicated_kv_heads_matches_tp1(untied_tp4):
     _check_parity(untied_tp4)
 
 
-@pytest.mark.parametrize("world", ["tiny_tp2", "smollm2_tp3", "untied_tp4"])
+def test_tiny_qwen3_moe_tp2_matches_tp1(moe_tp2):
+    _check_parity(moe_tp2)
+
+
+@pytest.mark.parametrize("world", ["tiny_tp2", "smollm2_tp3", "untied_tp4", "moe_tp2"])
 def test_vocab_not_divisible_by_tp_is_padded(world, request):
     _check_vocab(request.getfixturevalue(world))
 

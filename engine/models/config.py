@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Dict, Literal, Tuple
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, Literal, Tuple
 
 LayerType = Literal["full", "sliding"]
 
@@ -39,7 +41,15 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings multiplied by this in the model dtype (Gemma: sqrt(hidden))
     norm_offset: float = 0.0  # RMSNorm applies offset + w (Gemma stores w - 1: offset 1)
     sandwich_norm: bool = False  # a norm after attention and after the MLP too, before the residual add (Gemma)
+    # mixture of experts: a router (softmax over num_experts, top num_experts_per_tok) and SwiGLU experts of
+    # moe_intermediate_size on the layers moe_layers marks; the others keep the dense MLP of intermediate_size
     is_moe: bool = False
+    moe_layers: Tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k router probabilities renormalized to sum to 1
+    router_weights_fp32: bool = False  # the expert outputs weighted in fp32 (Mixtral), not in the model dtype
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
@@ -84,7 +94,45 @@ class ModelConfig:
             embed_scale=float(hf.hidden_size) ** 0.5 if flags["scaled_embedding"] else None,
             norm_offset=1.0 if flags["norm_offset"] else 0.0,
             sandwich_norm=flags["sandwich_norm"],
+            **(_moe_fields(hf, arch, num_layers) if flags["moe"] else {}),
         )
+
+
+# config.json fields a MoE model must state (alternative spellings in a tuple): transformers fills a missing one with a
+# default (128 experts, top 8) that would silently describe another model
+MOE_REQUIRED: Dict[str, Tuple[Tuple[str, ...], ...]] = {
+    "Qwen3MoeForCausalLM": (("num_experts", "num_local_experts"), ("num_experts_per_tok",),
+                            ("moe_intermediate_size",), ("norm_topk_prob",)),
+    "MixtralForCausalLM": (("num_local_experts", "num_experts"), ("num_experts_per_tok",), ("intermediate_size",)),
+}
+
+
+def _file_keys(hf: Any) -> FrozenSet[str] | None:
+    """The keys config.json itself holds (None for a config not read from a folder)."""
+    path = Path(getattr(hf, "_name_or_path", "") or "") / "config.json"
+    return frozenset(json.loads(path.read_text())) if path.is_file() else None
+
+
+def _moe_fields(hf: Any, arch: str, num_layers: int) -> Dict[str, Any]:
+    keys = _file_keys(hf)
+    if keys is not None:
+        for names in MOE_REQUIRED[arch]:
+            if not keys & set(names):
+                raise ValueError(f"{arch} config.json lacks {' / '.join(names)}: a mixture-of-experts model must state "
+                                 "it (transformers would fill in a default that describes another model)")
+    num_experts, top_k = hf.num_experts if hasattr(hf, "num_experts") else hf.num_local_experts, hf.num_experts_per_tok
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must lie in [1, num_experts {num_experts}]")
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size, top-k always renormalized
+        if getattr(hf, "sliding_window", None) is not None:
+            raise ValueError(f"unsupported Mixtral sliding_window={hf.sliding_window} (set it to null)")
+        return dict(is_moe=True, moe_layers=(True,) * num_layers, num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True, router_weights_fp32=True)
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(is_moe=True, moe_layers=layers, num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob))
 
 
 def _rope_parameters(hf: Any) -> tuple[Dict[str, Any], Dict[str, Any] | None]:
@@ -113,13 +161,13 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES: Dict[str, LayerType] = {"full_attention": "full", "sliding_attention": "sliding"}
 
 # What each architecture adds to the shared decoder; everything else is read from its config.
+_DENSE = {"qk_norm": False, "attention_bias": False, "sandwich_norm": False, "norm_offset": False,
+          "scaled_embedding": False, "moe": False}
 ARCHITECTURES: Dict[str, Dict[str, bool]] = {
-    "LlamaForCausalLM": {"qk_norm": False, "attention_bias": False, "sandwich_norm": False, "norm_offset": False,
-                         "scaled_embedding": False},
-    "Qwen2ForCausalLM": {"qk_norm": False, "attention_bias": True, "sandwich_norm": False, "norm_offset": False,
-                         "scaled_embedding": False},
-    "Qwen3ForCausalLM": {"qk_norm": True, "attention_bias": False, "sandwich_norm": False, "norm_offset": False,
-                         "scaled_embedding": False},
-    "Gemma3ForCausalLM": {"qk_norm": True, "attention_bias": False, "sandwich_norm": True, "norm_offset": True,
-                          "scaled_embedding": True},
+    "LlamaForCausalLM": _DENSE,
+    "Qwen2ForCausalLM": dict(_DENSE, attention_bias=True),
+    "Qwen3ForCausalLM": dict(_DENSE, qk_norm=True),
+    "Gemma3ForCausalLM": dict(_DENSE, qk_norm=True, sandwich_norm=True, norm_offset=True, scaled_embedding=True),
+    "Qwen3MoeForCausalLM": dict(_DENSE, qk_norm=True, moe=True),
+    "MixtralForCausalLM": dict(_DENSE, moe=True),
 }

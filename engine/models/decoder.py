@@ -2,9 +2,11 @@
 
 Architectures differ only by ModelConfig fields: qk_norm, attention_bias, tie_word_embeddings, RoPE (one base, or
 one per layer type), per-layer sliding windows, the softmax scale, a scaled embedding, the norms' weight offset and
-sandwich norms (a norm on the attention and MLP outputs before each residual add), the gate's activation.
-Parameter names follow HF's, with q/k/v merged into qkv_proj and gate/up into gate_up_proj (models/weights.py); the
-norm before the MLP is pre_feedforward_layernorm in every architecture.
+sandwich norms (a norm on the attention and MLP outputs before each residual add), the gate's activation, and per
+layer a dense MLP or a sparse mixture of experts (layers/moe.py).
+Parameter names follow HF's, with q/k/v merged into qkv_proj and gate/up into gate_up_proj, and a MoE layer's experts
+stacked into experts.gate_up_proj / experts.down_proj (models/weights.py); the norm before the MLP is
+pre_feedforward_layernorm in every architecture.
 The small ops (norms, RoPE, activation) come from one TorchOps object chosen for the engine (layers/ops.py).
 """
 
@@ -18,6 +20,7 @@ from engine.distributed import div_even, get_tp_info
 from engine.layers.attention import AttentionLayer
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.ops import TorchOps
 from engine.layers.rotary import RotaryEmbedding
@@ -76,7 +79,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer_id, rotary, ops)
         self.post_attention_layernorm = norm() if config.sandwich_norm else None
         self.pre_feedforward_layernorm = norm()
-        self.mlp = MLP(config, ops)
+        sparse = bool(config.moe_layers) and config.moe_layers[layer_id]
+        self.mlp = SparseMoE(config, sum(config.moe_layers[:layer_id])) if sparse else MLP(config, ops)
         self.post_feedforward_layernorm = norm() if config.sandwich_norm else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,10 @@
 
 q/k/v_proj -> qkv_proj and gate/up_proj -> gate_up_proj are split by output rows; o_proj and down_proj by input
 columns; embeddings and LM head by vocabulary rows (padded to a multiple of the TP size). KV heads are replicated
-when there are fewer of them than ranks.
+when there are fewer of them than ranks. A MoE layer's experts (HF: mlp.experts.<e>.{gate,up,down}_proj, Mixtral:
+block_sparse_moe.experts.<e>.{w1,w3,w2}) are sharded like the dense MLP, each one alone, then stacked along a new
+first dimension into mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I]; the router
+(mlp.gate) is replicated.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _ROW_PARALLEL = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
+_MIXTRAL = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_up_proj|down_proj)\.weight$")
 
 
 def _iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -72,6 +77,9 @@ def load_weight_state_dict(path: str, config: ModelConfig, device: torch.device,
             continue
         if not config.sandwich_norm:  # Llama and Qwen call the norm before the MLP post_attention_layernorm
             name = name.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm.")
+        if ".block_sparse_moe." in name:
+            for old, new in _MIXTRAL:
+                name = name.replace(old, new)
         module = name.split(".")[-2]
         t = _shard(name, module, tensor, config).to(device=device, dtype=dtype)
         if module in _MERGED:
@@ -85,7 +93,34 @@ def load_weight_state_dict(path: str, config: ModelConfig, device: torch.device,
             state[name] = t
     if parts:
         raise ValueError(f"checkpoint at {path} is missing parts of merged weights: {sorted(parts)}")
+    if config.is_moe:
+        stack_experts(state, config, path)
     return state
+
+
+def stack_experts(state: Dict[str, torch.Tensor], config: ModelConfig, path: str) -> None:
+    """Per-expert weights -> one [E, ...] tensor per MoE layer and kind, in place; a missing expert is named."""
+    groups: Dict[Tuple[str, str], Dict[int, torch.Tensor]] = {}
+    for name in [n for n in state if _EXPERT.match(n)]:
+        m = _EXPERT.match(name)
+        groups.setdefault((m["layer"], m["kind"]), {})[int(m["e"])] = state.pop(name)
+    for i, sparse in enumerate(config.moe_layers):
+        for kind in ("gate_up_proj", "down_proj") if sparse else ():
+            layer = f"model.layers.{i}.mlp.experts"
+            found = groups.pop((layer, kind), {})
+            missing = [e for e in range(config.num_experts) if e not in found]
+            if missing:
+                hf = "gate_proj / up_proj" if kind == "gate_up_proj" else "down_proj"
+                raise ValueError(f"checkpoint at {path} lacks expert {missing[0]} of layer {i} ({layer}.{missing[0]}."
+                                 f"{hf}.weight; {len(missing)} of {config.num_experts} experts missing there)")
+            state[f"{layer}.{kind}"] = torch.stack([found.pop(e) for e in range(config.num_experts)])
+            if found:
+                raise ValueError(f"checkpoint at {path} holds expert {min(found)} of layer {i}, but num_experts is "
+                                 f"{config.num_experts}")
+    if groups:
+        sparse = [i for i, s in enumerate(config.moe_layers) if s]
+        raise ValueError(f"checkpoint at {path} holds experts the config does not expect: {sorted(groups)[:3]} "
+                         f"(num_experts {config.num_experts}, MoE layers {sparse})")
 
 
 def dummy_state_dict(model: "CausalLM", device: torch.device, dtype: torch.dtype,

@@ -56,14 +56,27 @@ def measure_limits(device: torch.device, dtype: torch.dtype) -> Limits:
 
 @dataclass
 class ModelCost:
-    weight_bytes: int  # bytes every forward reads: all weights, the embedding table once (as the LM head)
+    weight_bytes: int  # bytes every forward reads: all weights but the experts, the embedding once (as the LM head)
     kv_bytes_per_token: int  # K and V of one token over all layers
-    flops_per_token: int  # 2 x matmul parameters (the LM head included)
+    flops_per_token: int  # 2 x the matmul parameters a token uses (the LM head and its top-k experts included)
     attn_flops_per_pair: int  # per (query, key) pair over all layers: QK^T and PV
+    expert_bytes: int = 0  # one expert of one MoE layer
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Experts one MoE layer reads for num_tokens tokens, expected under uniform routing: E (1 - (1 - k/E)^n)
+        (k at one token, about all of them at large batches)."""
+        if not self.moe_layers:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
 
     def forward(self, num_tokens: int, kv_tokens: int, query_key_pairs: int) -> tuple[float, float]:
-        """(bytes, FLOPs) of one forward: weights + KV read and written; matmuls + attention."""
-        nbytes = self.weight_bytes + self.kv_bytes_per_token * (kv_tokens + num_tokens)
+        """(bytes, FLOPs) of one forward: weights (the experts it touches) + KV read and written; matmuls +
+        attention."""
+        experts = self.moe_layers * self.experts_touched(num_tokens) * self.expert_bytes
+        nbytes = self.weight_bytes + experts + self.kv_bytes_per_token * (kv_tokens + num_tokens)
         flops = self.flops_per_token * num_tokens + self.attn_flops_per_pair * query_key_pairs
         return nbytes, flops
 
@@ -73,10 +86,16 @@ def model_cost(engine: Engine) -> ModelCost:
     item = engine.dtype.itemsize
     params = sum(p.numel() for p in engine.model.parameters())
     embed = engine.model.model.embed_tokens.weight.numel()
-    read = params - (0 if mc.tie_word_embeddings else embed)  # an untied embedding reads only the looked-up rows
+    stacks = [p for n, p in engine.model.named_parameters() if ".mlp.experts." in n]  # [E, ...] per MoE layer
+    moe_layers = sum(mc.moe_layers)
+    per_expert = sum(p[0].numel() for p in stacks) // max(moe_layers, 1)
+    # an untied embedding reads only the looked-up rows
+    read = params - sum(p.numel() for p in stacks) - (0 if mc.tie_word_embeddings else embed)
     return ModelCost(
         weight_bytes=read * item,
         kv_bytes_per_token=2 * mc.num_layers * engine.num_kv_heads * mc.head_dim * item,
-        flops_per_token=2 * read,
+        flops_per_token=2 * (read + moe_layers * mc.num_experts_per_tok * per_expert),
         attn_flops_per_pair=4 * mc.num_layers * engine.num_qo_heads * mc.head_dim,
+        expert_bytes=per_expert * item, moe_layers=moe_layers, num_experts=mc.num_experts,
+        top_k=mc.num_experts_per_tok,
     )

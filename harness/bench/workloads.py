@@ -28,6 +28,7 @@ class BenchSpec:
     offline: Tuple[int, int, int]  # requests, min length, max length (inputs and outputs alike)
     hf_offline: Tuple[int, int]  # requests of the offline workload HF also runs, output length cap
     repeats: int
+    eager: bool = True  # on CUDA also the engine without CUDA graphs (engine-eager)
 
 
 SPECS: Dict[str, BenchSpec] = {
@@ -36,6 +37,11 @@ SPECS: Dict[str, BenchSpec] = {
     "cuda": BenchSpec([128, 256, 512, 1024, 2048, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 512,
                       [128, 512, 1024, 2048, 4096], 32, [1, 8, 64, 256], [1], [1, 64, 256],
                       (256, 100, 1024), (32, 64), 5),
+    # mixture-of-experts shapes (qwen3-30b-a3b, 61 GB): decode at bs 1 / 64 / 256 and prefill, the engine with CUDA
+    # graphs only; HF eager only (its static-cache compilation of 48 MoE layers would take longer than the rest of
+    # the run)
+    "cuda-moe": BenchSpec([512, 2048, 4096], [1, 64, 256], 512, [512, 2048], 32, [1, 64], [], [1, 64, 256],
+                          (256, 100, 1024), (32, 64), 3, eager=False),
 }
 
 

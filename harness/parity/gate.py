@@ -19,6 +19,13 @@ alone admits bugs that shift every position a little; the percentiles and the me
 Near-tie rule: when the engine's argmax differs from the golden token, the divergence passes only if the golden's
 log-probability gap between the two tokens is <= tie_tol: 2 x tol in fp32 (both log-probabilities may move by tol),
 2 x sqrt(SOURCES) x HF's 99th-percentile err in half precision. Anything else fails.
+
+Router near ties (mixture-of-experts models): a token whose k-th and (k+1)-th router logits differ by at most
+ROUTER_TIE[dtype] x the row's largest |logit| (in any MoE layer, engine.moe.router_margin) may choose the other
+expert than HF where both round differently, and that moves its own logits by far more than the tolerance. Such a
+position is a router near tie: counted and reported per prompt and per path; its err may exceed tol and its token
+may diverge (like a near-tie token); every other position keeps the same tolerance, and the distribution gate
+counts every position. The margin is the engine's own, at the position whose logits it decides.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ DIST_FACTOR = {"err_p99": SOURCES ** 0.5, "kl_mean": float(SOURCES), "kl_p99": f
 FLOOR = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 KL_FLOOR = {"bfloat16": 1e-5, "float16": 1e-6}  # the distribution gate's floor for HF spreads of ~0
 HALF = ("bfloat16", "float16")
+# the router margin (relative to the row's largest |router logit|) at or below which a routing choice is a near tie:
+# fp32: the engine's logits agree with HF's to 1e-5 of their scale (tests/test_engine.py's bound); bf16 / fp16: two
+# units in the last place of the largest logit (eps 2^-7 / 2^-10): one for the logits' own rounding, one for the
+# router input's. On tiny-qwen3-moe's golden positions 18% of the engine's fp32 margins lie under the bf16 one, 0 under
+# the fp32 one (tests/test_moe.py)
+ROUTER_TIE = {"float32": 1e-5, "bfloat16": 2.0 ** -6, "float16": 2.0 ** -9}
 
 
 @dataclass
@@ -52,6 +65,8 @@ class PromptResult:
     divergence: Dict[str, Any] | None = None  # first position where the tokens differ
     passed: bool = True
     reason: str = ""
+    router_near_ties: int = 0  # compared positions whose routing is a near tie (MoE)
+    router_excused: int = 0  # of those, positions whose err exceeds tol
 
 
 @dataclass
@@ -64,6 +79,8 @@ class PathResult:
     limits: Dict[str, float] | None
     passed: bool = True
     reason: str = ""
+    router_near_ties: int = 0
+    router_excused: int = 0
 
 
 @dataclass
@@ -79,6 +96,7 @@ class ParityResult:
     paths: List[PathResult] = field(default_factory=list)
     obtained: str = ""  # where the engine's result was written when parity failed
     tp: int = 1
+    router_tie: float | None = None  # the router near-tie margin (MoE models only)
 
     @property
     def passed(self) -> bool:
@@ -130,7 +148,8 @@ def golden_row(pg: G.PromptGolden, pos: int) -> tuple[np.ndarray, np.ndarray]:
                                                                        pg.decode_lp[pos - n + 1])
 
 
-def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat, tie_tol: float) -> Dict[str, Any]:
+def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat, tie_tol: float,
+                router_tie: bool) -> Dict[str, Any]:
     n = len(pg.prompt_ids)
     ids, lp = pg.decode_ids[j], pg.decode_lp[j]
     g = int(pg.tokens[j])
@@ -138,19 +157,24 @@ def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat,
     gap = float(lp[ids == g][0] - lp[in_golden[0]]) if len(in_golden) and (ids == g).any() else None
     in_engine = np.nonzero(stat.top_ids == g)[0]
     return {"step": j, "position": n - 1 + j, "golden_token": g, "engine_token": engine_tok,
-            "golden_logprob_gap": gap, "near_tie": gap is not None and abs(gap) <= tie_tol,
+            "golden_logprob_gap": gap, "near_tie": (gap is not None and abs(gap) <= tie_tol) or router_tie,
+            "router_near_tie": router_tie,
             "engine_token_rank_in_golden": int(in_golden[0]) if len(in_golden) else None,
             "golden_token_rank_in_engine": int(in_engine[0]) if len(in_engine) else None}
 
 
 def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]],
              outputs: List[List[int]], tol: float, tie_tol: float | None = None,
-             limits: Dict[str, float] | None = None) -> tuple[List[PromptResult], PathResult]:
-    """Per prompt: every position's error against tol, and the first divergence; per path: the distribution gate."""
+             limits: Dict[str, float] | None = None, margins: Dict[int, Dict[int, float]] | None = None,
+             router_tie: float = 0.0) -> tuple[List[PromptResult], PathResult]:
+    """Per prompt: every position's error against tol, and the first divergence; per path: the distribution gate.
+    margins: per prompt and position, the smallest router margin over the MoE layers (None: a dense model)."""
     tie_tol = 2 * tol if tie_tol is None else tie_tol
     results, errs, kls = [], [], []
     for uid, pg in enumerate(gs.prompts):
         res = PromptResult(path.name, pg.name)
+        ties = {pos for pos, m in (margins or {}).get(uid, {}).items() if m <= router_tie}
+        worst = 0.0  # the largest err outside router near ties
         n = len(pg.prompt_ids)
         tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax for j in range(len(pg.tokens))]
         div_step = next((j for j, (a, b) in enumerate(zip(tokens, pg.tokens)) if a != int(b)), None)
@@ -167,13 +191,22 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
             else:
                 res.max_err_decode = max(res.max_err_decode, st.err)
             res.max_kl, res.max_tv = max(res.max_kl, st.kl), max(res.max_tv, st.tv)
+            if pos in ties:
+                res.router_near_ties += 1
+                res.router_excused += st.err > tol
+            else:
+                worst = max(worst, st.err)
         if res.compared_positions != last + 1:
             res.passed, res.reason = False, f"only {res.compared_positions} of {last + 1} positions were produced"
-        elif max(res.max_err_prefill, res.max_err_decode) > tol:
-            res.passed, res.reason = False, f"logprob error {max(res.max_err_prefill, res.max_err_decode):.3g} > tol"
+        elif worst > tol:
+            res.passed, res.reason = False, f"logprob error {worst:.3g} > tol"
         if div_step is not None:
-            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][n - 1 + div_step], tie_tol)
+            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][n - 1 + div_step], tie_tol,
+                                         n - 1 + div_step in ties)
             if not res.divergence["near_tie"] and res.passed:
                 res.passed, res.reason = False, f"token differs at step {div_step} and it is not a near tie"
         results.append(res)
-    return results, check_path(path.name, errs, kls, limits)
+    path_result = check_path(path.name, errs, kls, limits)
+    path_result.router_near_ties = sum(r.router_near_ties for r in results)
+    path_result.router_excused = sum(r.router_excused for r in results)
+    return results, path_result

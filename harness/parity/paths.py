@@ -17,10 +17,12 @@ class ParityPath:
     prefix: bool = False  # prefill the first half of each prompt, then extend over it as a cached prefix
     attention_backend: str = "auto"
     ops_backend: str = "auto"
+    moe_backend: str = "auto"
     device_type: str = "any"  # "cuda": only on a GPU
+    moe_only: bool = False  # only for mixture-of-experts models
 
-    def applies_to(self, device: str) -> bool:
-        return self.device_type == "any" or device.startswith(self.device_type)
+    def applies_to(self, device: str, is_moe: bool = False) -> bool:
+        return (self.device_type == "any" or device.startswith(self.device_type)) and (is_moe or not self.moe_only)
 
 
 PATHS = (
@@ -32,8 +34,12 @@ PATHS = (
     ParityPath("continuous", "3 slots, 64-token prefill budget: requests join while others decode, mixed prefill "
                "lengths; page_size 4", page_size=4, max_running_req=3, max_prefill_tokens=64),
     ParityPath("free", "free-running greedy generation (the engine's own tokens fed back)", forced=False),
-    ParityPath("torch-backend", "the torch reference on the GPU: torch attention and torch ops (HF's numerics)",
-               attention_backend="torch", ops_backend="torch", device_type="cuda"),
+    ParityPath("torch-backend", "the torch reference on the GPU: torch attention, torch ops and (MoE) the torch MoE "
+               "(HF's numerics)", attention_backend="torch", ops_backend="torch", moe_backend="torch",
+               device_type="cuda"),
     ParityPath("torch-ops", "FlashInfer attention with the torch ops instead of the fused kernels (on the GPU)",
                ops_backend="torch", device_type="cuda"),
+    ParityPath("torch-moe", "the fast path with the torch MoE reference instead of the fused grouped GEMMs (decode "
+               "without CUDA graphs: the reference reads its routing on the host)", moe_backend="torch",
+               device_type="cuda", moe_only=True),
 )

@@ -37,12 +37,20 @@ def summary_rows(result: ParityResult) -> List[Dict[str, Any]]:
                      "max_err_decode": max(p.max_err_decode for p in ps),
                      "max_kl": max(p.max_kl for p in ps), "max_tv": max(p.max_tv for p in ps),
                      "divergences": sum(p.divergence is not None for p in ps),
+                     **({} if result.router_tie is None else _router_counts(ps)),
                      "passed": f"{sum(p.passed for p in ps)}/{len(ps)}"})
     return rows
 
 
+def _router_counts(prompts: List[Any]) -> Dict[str, int]:
+    """MoE: positions routed at a near tie, and how many of them exceed the tolerance (passed as near ties)."""
+    return {"router_near_ties": sum(p.router_near_ties for p in prompts),
+            "router_ties_over_tol": sum(p.router_excused for p in prompts)}
+
+
 DIST_COLUMNS = ["path", "positions", "err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99", "limits",
                 "passed"]
+ROUTER_DIST_COLUMNS = DIST_COLUMNS[:-2] + ["router_near_ties"] + DIST_COLUMNS[-2:]
 
 
 def distribution_rows(result: ParityResult) -> List[Dict[str, Any]]:
@@ -50,18 +58,28 @@ def distribution_rows(result: ParityResult) -> List[Dict[str, Any]]:
     rows = []
     for p in result.paths:
         limits = "-" if p.limits is None else ", ".join(f"{k} {v:.3g}" for k, v in p.limits.items())
-        rows.append({"path": p.path, "positions": p.positions, **p.stats, "limits": limits,
+        router = {} if result.router_tie is None else {"router_near_ties": p.router_near_ties}
+        rows.append({"path": p.path, "positions": p.positions, **p.stats, **router, "limits": limits,
                      "passed": "PASS" if p.passed else f"FAIL: {p.reason}"})
     return rows
+
+
+def _router_line(result: ParityResult) -> str:
+    if result.router_tie is None:
+        return ""
+    ties = sum(p.router_near_ties for p in result.paths)
+    return (f"Router near ties (a MoE layer's k-th and (k+1)-th router logits within {result.router_tie:.3g} x the "
+            f"row's largest |logit|): {ties} positions over every path.\n\n")
 
 
 def _hf_line(result: ParityResult) -> str:
     s = result.hf_stats
     if not s:
-        return ""
+        return _router_line(result)
     return (f"HF's own spread (eager vs sdpa on the golden's sequences, {s['positions']} positions): err p50 "
             f"{s['err_p50']:.3g}, p90 {s['err_p90']:.3g}, p99 {s['err_p99']:.3g}, max {s['err_max']:.3g}; KL mean "
-            f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n")
+            f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n"
+            f"{_router_line(result)}")
 
 
 def write_report(result: ParityResult, write_files: bool = True, update: bool = False) -> str:
@@ -86,18 +104,22 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
     name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "")
     out = report_root(update) / "parity" / result.model / name
+    moe = result.router_tie is not None
+    dist_cols = ROUTER_DIST_COLUMNS if moe else DIST_COLUMNS
+    prompt_cols = COLUMNS[:-1] + ["router_near_ties", "passed"] if moe else COLUMNS
     paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
           f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
           f"## Error distribution per path\n{_hf_line(result)}"
-          f"{markdown_table(distribution_rows(result), DIST_COLUMNS)}\n"
-          f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], COLUMNS)}\n"
+          f"{markdown_table(distribution_rows(result), dist_cols)}\n"
+          f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], prompt_cols)}\n"
           f"## Provenance\n{provenance_markdown(prov)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
     write_json(out.with_suffix(".json"), {"provenance": prov, "tol": result.tol, "hf_spread": result.hf_spread,
                                           "tie_tol": result.tie_tol, "hf_spread_stats": result.hf_stats,
+                                          **({} if result.router_tie is None else {"router_tie": result.router_tie}),
                                           "passed": result.passed, "paths": [asdict(p) for p in result.paths],
                                           "prompts": [asdict(p) for p in result.prompts]})
     return f"{text}\n{written_to(out.with_suffix('.md'), update)}"

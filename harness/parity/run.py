@@ -14,11 +14,14 @@ import torch
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
+from engine.models.config import ModelConfig
+from engine.utils.hf import cached_load_hf_config
 from harness import UserError, check_device, zoo
 from harness import golden as G
 from harness.compare import PositionStat, compare_row
 from harness.driver import Driver
-from harness.parity.gate import ParityResult, dist_limits, evaluate, golden_row, tie_tolerance, tolerance
+from harness.parity.gate import (ROUTER_TIE, ParityResult, dist_limits, evaluate, golden_row, tie_tolerance,
+                                 tolerance)
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.report import write_report
 
@@ -41,7 +44,7 @@ def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _Pa
     kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
               max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
               max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
-              ops_backend=path.ops_backend)
+              ops_backend=path.ops_backend, moe_backend=path.moe_backend, record_router_margins=True)
     prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
     forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
     groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
@@ -52,12 +55,18 @@ def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _Pa
 
 
 class _Recorder:
-    """Per prompt, the PositionStat of every position the engine produced, and the sampled tokens."""
+    """Per prompt, the PositionStat of every position the engine produced, the sampled tokens and (MoE) each
+    position's smallest router margin."""
 
     def __init__(self, gs: G.GoldenSet) -> None:
         self.gs = gs
         self.stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
+        self.margins: Dict[int, Dict[int, float]] = {uid: {} for uid in range(len(gs.prompts))}
         self.outputs: List[List[int]] = []
+
+    def router(self, uid: int, start: int, margins: torch.Tensor) -> None:
+        for i, m in enumerate(margins.amin(dim=-1).tolist()):
+            self.margins[uid][start + i] = m
 
     def __call__(self, uid: int, start: int, lp: torch.Tensor) -> None:
         lp = lp.cpu()
@@ -66,7 +75,8 @@ class _Recorder:
 
 
 def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
-    """Run the engine along one path: per prompt, the PositionStat of every position, and the sampled tokens."""
+    """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
+    router margins."""
     plan, rec = plan_path(path, device, dtype, gs), _Recorder(gs)
     engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1),
                                  **plan.engine_kwargs))
@@ -74,9 +84,10 @@ def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.Golden
         for group, args in zip(plan.groups, plan.args):
             res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
                 [plan.prompts[i] for i in group], plan.params,
-                on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp), **args)
+                on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp),
+                on_router=lambda uid, pos, m, base=group[0]: rec.router(base + uid, pos, m), **args)
             rec.outputs += [r.output_ids for r in res]
-        return rec.stats, rec.outputs
+        return rec.stats, rec.outputs, rec.margins
     finally:
         engine.shutdown()
 
@@ -84,7 +95,7 @@ def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.Golden
 def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, gs: G.GoldenSet,
                  tp: int) -> Dict[str, tuple]:
     """Every path on tp ranks (processes, harness.tp) in one launch, an engine per path and group; rank 0's logits
-    are compared. path name -> (stats, outputs) as run_path gives them."""
+    are compared. path name -> (stats, outputs, margins) as run_path gives them."""
     from harness.tp import TPRun, tp_generate_many
 
     runs, owners = [], []
@@ -99,8 +110,10 @@ def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, g
     for (name, group), out in zip(owners, tp_generate_many(runs, tp)):
         for uid, logits in out.logits.items():
             recorders[name](group[0] + uid, 0, torch.log_softmax(logits, dim=-1))
+        for uid, margins in (out.router_margins or {}).items():
+            recorders[name].router(group[0] + uid, 0, margins)
         recorders[name].outputs += [r.output_ids for r in out.results]
-    return {name: (rec.stats, rec.outputs) for name, rec in recorders.items()}
+    return {name: (rec.stats, rec.outputs, rec.margins) for name, rec in recorders.items()}
 
 
 def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], outputs: List[List[int]],
@@ -124,16 +137,19 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
     gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     tol, limits = tolerance(gs, dtype), dist_limits(gs, dtype)
+    is_moe = ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
     result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"],
-                          tie_tolerance(tol, limits), gs.provenance.get("hf_spread"), tp=tp)
+                          tie_tolerance(tol, limits), gs.provenance.get("hf_spread"), tp=tp,
+                          router_tie=ROUTER_TIE[dtype] if is_moe else None)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
-    chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device)]
+    chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
-        stats, outputs = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
+        stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
-        prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits)
+        prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
+                                        margins if is_moe else None, result.router_tie or 0.0)
         result.prompts += prompts
         result.paths.append(path_result)
         if was_passing and not result.passed:
