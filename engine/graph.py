@@ -95,7 +95,8 @@ class GraphRunner:
             batch = Batch(reqs=[], phase="prefill")  # every token belongs to the padding entry
             batch.padded_reqs, batch.padded_tokens = [], t
             self._load(batch, 0, t)
-            self.attn_backend.prepare_metadata(batch)  # the first plan, at the largest t, sizes the wrappers' work arrays
+            # the first plan, at the largest t, sizes the wrappers' work arrays
+            self.attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
                 self.model.model(batch.input_ids)  # warm-up: lazy allocations happen outside the capture
                 graph = torch.cuda.CUDAGraph()
