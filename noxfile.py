@@ -48,10 +48,11 @@ def golden(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Throughput and latency beside HF and the hardware's limit, into build/reports/bench/<device>/ (reports/ with
     `-- --update-reports`); on the CPU also the pytest-benchmark micro-benchmarks, whose JSON follows the same rule
-    (compare a change with --benchmark-compare against it)."""
+    (compare a change with --benchmark-compare against it). `-- --against main` instead compares this tree with
+    another revision in one run (against.md beside the bench report)."""
     _install(session)
     session.run("python", "-m", "harness", "bench", *session.posargs)
-    if "cuda" not in " ".join(session.posargs):
+    if "cuda" not in " ".join(session.posargs) and "--against" not in session.posargs:
         out = _report_root(session) / "bench" / "cpu"
         out.mkdir(parents=True, exist_ok=True)
         session.run("python", "-m", "pytest", "tests/test_bench_micro.py", "--benchmark-only", "-q",

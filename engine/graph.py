@@ -63,16 +63,21 @@ class GraphRunner:
         self.positions = torch.zeros(size, dtype=torch.int32, device=device)
         self.out_loc = torch.full((size,), self.dummy_slot, dtype=torch.int64, device=device)
         self.pad_positions = torch.arange(self.max_prefill_tokens, dtype=torch.int32, device=device)
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
+        free_before = self._free_memory()
         # The prefill graphs first, largest first: the pool they size is reused by the smaller ones and by decode.
         pool = self._capture_prefill(stream)
         self._capture_decode(stream, pool)
-        torch.cuda.synchronize(device)
-        self.memory_used = free_before - torch.cuda.mem_get_info(device)[0]
+        self.memory_used = free_before - self._free_memory()
         logger.info("captured %d decode graphs (bs %s) and %d prefill graphs (tokens %s) using %.1f MiB",
                     len(self.graphs), self.graph_bs, len(self.prefill_graphs), self.prefill_tokens,
                     self.memory_used / 2**20)
+
+    def _free_memory(self) -> int:
+        """Free device memory once the allocator's unused cache is returned (the warm-ups' eager activations), so
+        that the difference is what the graphs keep."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
 
     @property
     def max_graph_bs(self) -> int:
@@ -95,7 +100,8 @@ class GraphRunner:
             batch = Batch(reqs=[], phase="prefill")  # every token belongs to the padding entry
             batch.padded_reqs, batch.padded_tokens = [], t
             self._load(batch, 0, t)
-            self.attn_backend.prepare_metadata(batch)  # the first plan, at the largest t, sizes the wrappers' work arrays
+            # the first plan, at the largest t, sizes the wrappers' work arrays
+            self.attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
                 self.model.model(batch.input_ids)  # warm-up: lazy allocations happen outside the capture
                 graph = torch.cuda.CUDAGraph()

@@ -131,7 +131,8 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
-    (decode logits, prefill hidden states; counted from their shapes) and the graph wrappers' int workspaces.
+    (decode logits, prefill hidden states; counted from their shapes), the graph wrappers' int workspaces and the
+    static inputs and page lists the graphs read (from their shapes).
     Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
     captures really took, to check this against.
     """
@@ -174,7 +175,14 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
         pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
         outputs = sum(graph_bs) * -(-mc.vocab_size // tp) * tp * item + sum(buckets) * mc.hidden_size * item
         wrappers = (len(graph_bs) + bool(buckets)) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
-        graphs = pool + outputs + wrappers
+        width = -(-align_up(config.max_seq_len, 32) // config.page_size)  # pages of a page-table row, at most
+        t = max(buckets, default=0)
+        static = 16 * max(max_bs, t)  # the runner's ids, positions (int32) and slots (int64)
+        if graph_bs:  # decode page indices (int32)
+            static += 4 * max_bs * width
+        if buckets:  # prefill page indices and each token's entry (int32)
+            static += 4 * (config.prefill_graph_max_reqs * width + t // config.page_size + 1 + t)
+        graphs = pool + outputs + wrappers + static
     reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
                       workspace=WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
     logger.info("reserve %s: activations %s (prefill of %d tokens, decode of %d, sampling %d rows), graphs %s "

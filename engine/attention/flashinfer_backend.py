@@ -99,7 +99,7 @@ class FlashInferBackend(AttentionBackend):
         indptrs = torch.zeros(3, n + 1, dtype=torch.int32, pin_memory=True)  # qo, kv, last_page_len (n entries)
         indptrs[0, 1:] = ext.cumsum(0)
         indptrs[1, 1:] = num_pages.cumsum(0)
-        indptrs[2, :n] = (kv_lens - 1) % ps + 1
+        indptrs[2, :n] = torch.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
         total = int(indptrs[1, n])
         # page ids: page_table[row, j * page_size] // page_size for page j of each request, in one gather
         dev = torch.cat([rows, num_pages, indptrs[1, :n].long()]).pin_memory().to(self.device, non_blocking=True)

@@ -1,6 +1,7 @@
 """python -m harness bench: how fast the engine is, beside HF generate on the same model and workload (workloads)
 and the hardware's limit measured on the same device (limits); on CUDA each decode step's profile names the bound
-(profile); run measures, report writes the tables and plots."""
+(profile); run measures, report writes the tables and plots; against compares this tree with another revision in
+one run (ab_runner: one side's process, ab_stats: the paired ratio and its interval)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     from harness import zoo
-    from harness.bench.run import command
     from harness.report import add_update_flag
 
     p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
@@ -18,5 +18,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m "
                         "on cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
+    p.add_argument("--against", metavar="REF",
+                   help="instead: compare this tree with REF (a git revision or a folder holding another checkout), "
+                        "both engines interleaved in this run, each row a ratio with its confidence interval "
+                        "(default model: smollm2-135m on cpu, qwen3-0.6b on cuda); writes against.md")
+    p.add_argument("--repeats", type=int, help="--against: paired repeats per workload (default: 5 cpu, 10 cuda)")
     add_update_flag(p)
-    p.set_defaults(func=command)
+    p.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.against is not None:
+        from harness.bench.against import command
+    else:
+        from harness.bench.run import command
+    return command(args)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
+from harness.bench.anchors import anchors_section
+from harness.bench.gemm import TARGET_FRACTION, gemm_section
 from harness.bench.profile import by_category
 from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
 
@@ -39,8 +41,15 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             times_floor = eng["median_s"] / eng["floor_s"]
             out.append(_target(model, "decode bs 1 within 1.5x of the bandwidth floor",
                                f"{times_floor:.2f}x the floor", times_floor <= 1.5))
+        out += _first_token_targets(rows, model, on_gpu)
         if not on_gpu:
             continue
+        gemms = [g for g in result.get("gemms", []) if g["model"] == model]
+        if gemms:
+            worst = min(gemms, key=lambda g: g["fraction_of_bandwidth"])
+            out.append(_target(model, f"every GEMM at M = 1 >= {100 * TARGET_FRACTION:.0f}% of the bandwidth",
+                               f"worst: {worst['gemm']} {100 * worst['fraction_of_bandwidth']:.0f}%",
+                               worst["fraction_of_bandwidth"] >= TARGET_FRACTION))
         prof = {p["batch_size"]: p for p in profiles if p["model"] == model and p["runner"] == "engine"}
         if 1 in prof and "kernels_per_layer" in prof[1]:
             per_layer = prof[1]["kernels_per_layer"]
@@ -80,6 +89,40 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
         if sub_e and sub_h:
             out.append(_target(model, "offline subset: engine / HF eager throughput (same requests)",
                                f"{sub_e['tokens_per_s'] / sub_h['tokens_per_s']:.1f}x", "-"))
+    return out
+
+
+PREFILL_TARGETS = {128: 2.0e-3, 512: 2.5e-3}  # CUDA: seconds for a prefill of this many tokens
+PREFILL_COMPUTE = (4096, 0.7)  # CUDA: this long a prefill reaches this fraction of its compute floor
+
+
+def _first_token_targets(rows: List[Dict[str, Any]], model: str, on_gpu: bool) -> List[Dict[str, Any]]:
+    """The prefill targets (CUDA) with the eager forward's time beside, and the time to first token (every device)."""
+    out = []
+    pre = {r["length"]: r for r in rows if r["model"] == model and r["runner"] == "engine" and
+           r["workload"] == "prefill"}
+    eager = {r["length"]: r for r in rows if r["model"] == model and r["runner"] == "engine-eager" and
+             r["workload"] == "prefill"}
+    ttft = {r["length"]: r for r in rows if r["model"] == model and r["runner"] == "engine" and
+            r["workload"] == "ttft"}
+
+    def beside(n: int) -> str:
+        return f" (eager {eager[n]['median_s'] * 1e3:.2f} ms)" if n in eager else ""
+
+    if on_gpu:
+        for n, limit in PREFILL_TARGETS.items():
+            if n in pre:
+                out.append(_target(model, f"prefill of {n} tokens <= {limit * 1e3:.1f} ms",
+                                   f"{pre[n]['median_s'] * 1e3:.2f} ms{beside(n)}", pre[n]["median_s"] <= limit))
+        n, fraction = PREFILL_COMPUTE
+        if n in pre:
+            out.append(_target(model, f"prefill of {n} tokens >= {100 * fraction:.0f}% of its compute floor",
+                               f"{100 * pre[n]['fraction_of_floor']:.0f}% ({pre[n]['median_s'] * 1e3:.2f} ms"
+                               f"{beside(n)})", pre[n]["fraction_of_floor"] >= fraction))
+    if ttft:
+        reached = ", ".join(f"{n}: {r['median_s'] * 1e3:.2f} ms" for n, r in sorted(ttft.items()))
+        out.append(_target(model, "time to first token by prompt length (one request, through the driver)",
+                           reached, "-"))
     return out
 
 
@@ -178,7 +221,8 @@ def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
           "warmup_s is its first call, compilation included, left out of the timings). HF's decode step: one sample "
           "per generated token, the interval between two calls of a synchronizing logits processor, after two "
           "warm-up calls, 3 runs. Medians; p10/p90 beside them.\n\n"
-          f"## Targets\n{markdown_table(tgt)}\n{_profile_section(result.get('profiles', []))}"
+          f"## Targets\n{markdown_table(tgt)}\n{anchors_section(result)}{_profile_section(result.get('profiles', []))}"
+          f"{gemm_section(result.get('gemms', []))}"
           "## Every measurement\n"
           f"{markdown_table(rows, [c for c in COLUMNS if c in frame.columns])}\n"
           "offline: the nano-vllm / mini-sglang workload (random.seed(0), input and output lengths randint"

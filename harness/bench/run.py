@@ -23,8 +23,9 @@ from harness import check_device, zoo
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
 from harness.bench.profile import bound, host_parts, profile_replay
 from harness.bench.report import write_bench_report
-from harness.bench.workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
-                                     hf_offline, hf_prefill, median, offline_workload, spread)
+from harness.bench.gemm import gemm_rows
+from harness.bench.workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, engine_ttft,
+                                     hf_decode, hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,13 @@ def _decode_rows(model: str, runner: str, driver: Driver, bs: int, ctx: int, spe
     return row, records
 
 
-def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_hf: bool) -> tuple[List, List]:
-    """(rows, decode profiles) of one model."""
+def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
+                with_hf: bool) -> tuple[List, List, List]:
+    """(rows, decode profiles, GEMMs at M = 1 on CUDA) of one model."""
     dtype = DTYPES[device.split(":")[0]]
     rows: List[Dict[str, Any]] = []
     profiles: List[Dict[str, Any]] = []
+    gemms: List[Dict[str, Any]] = []
     prompts, outs = offline_workload(*spec.offline)
     n_hf, cap = spec.hf_offline
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
@@ -92,15 +95,20 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_h
                     profiles.append(_profile(model, runner, engine, bs, records))
             for ctx in tqdm(spec.latency_ctx, desc=f"{model} {runner} decode vs context"):
                 rows.append(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits, "decode_ctx")[0])
+            for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill and time to first token"):
+                pairs = n * (n + 1) // 2
+                secs = engine_prefill(driver, n, vocab, spec.repeats)
+                rows.append(_row(model, runner, "prefill", 1, n, secs, n, cost, limits, (n, 0, pairs)))
+                secs = engine_ttft(driver, n, vocab, spec.repeats)
+                rows.append(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs)))
             if runner != "engine":
                 continue
+            if on_gpu:
+                gemms += gemm_rows(model, engine, limits)
             simple = Driver(engine, max_prefill_tokens=8192, overlap=False)
             for bs in tqdm(spec.simple_bs, desc=f"{model} simple loop (no overlap) decode"):
                 rows.append(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab, cost,
                                          limits)[0])
-            for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill"):
-                secs = engine_prefill(driver, n, vocab, spec.repeats)
-                rows.append(_row(model, runner, "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
             for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_subset", (sub_prompts, sub_outs))):
                 run = engine_offline(driver, ps, os_, greedy=name == "offline_subset")
                 rows.append(_offline_row(model, runner, name, run, cost, limits))
@@ -108,7 +116,7 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits, with_h
             engine.shutdown()
     if with_hf:
         rows += _bench_hf(model, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
-    return rows, profiles
+    return rows, profiles, gemms
 
 
 def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) -> Dict[str, Any]:
@@ -174,14 +182,14 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
     spec = SPECS[f"{dev.type}-moe" if all(moe) and f"{dev.type}-moe" in SPECS else dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
-    rows, profiles = [], []
+    rows, profiles, gemms = [], [], []
     for model in models:
-        r, p = bench_model(model, str(dev), spec, limits, with_hf)
-        rows, profiles = rows + r, profiles + p
+        r, p, g = bench_model(model, str(dev), spec, limits, with_hf)
+        rows, profiles, gemms = rows + r, profiles + p, gemms + g
     # a run of other models than the defaults reports beside the default one, not over it
     name = dev.type if models == DEFAULT_MODELS[dev.type] else "-".join([dev.type, *models])
     return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
-            "profiles": profiles, "name": name}
+            "profiles": profiles, "gemms": gemms, "name": name}
 
 
 def command(args: argparse.Namespace) -> int:

@@ -74,6 +74,19 @@ def engine_prefill(driver: Driver, length: int, vocab: int, repeats: int) -> Lis
     return out
 
 
+def engine_ttft(driver: Driver, length: int, vocab: int, repeats: int) -> List[float]:
+    """Time to first token of one request of length tokens: from generate's call to the token on the host
+    (admission, the prompt's upload, prefill, sampling, the token's way back); the first call is warm-up."""
+    ids = random_ids(length, vocab, seed=length)
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:
     """The decode steps of bs requests at context ctx, all running (the first decode after a prefill left out)."""
     prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]

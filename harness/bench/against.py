@@ -1,0 +1,237 @@
+"""python -m harness bench --against REF: what a change costs, measured in one run against another revision.
+
+REF is a git revision (checked out into a temporary worktree, removed afterwards) or a folder holding another
+checkout. Each side runs in its own process (harness/bench/ab_runner.py of this tree, with PYTHONPATH at the side's
+tree: one engine per process, the other revision's own engine and driver). Both run the same workloads, interleaved:
+repeat i measures every side back to back, the order turning each repeat (A B, B A, ...), so drift of the host hits
+both. Each row: the medians, the ratio reference / new with its confidence interval from the paired repeats
+(ab_stats), and a verdict. Writes <reports>/bench/<device>/against.{md,json}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+from harness.bench.ab_stats import paired_ratio
+from harness.report import REPO_ROOT, markdown_table, provenance, provenance_markdown, text_table, write_json
+
+RUNNER = Path(__file__).with_name("ab_runner.py")
+# run the runner by path without putting its folder first on sys.path (its siblings would shadow modules)
+BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+DEFAULT_MODELS = {"cpu": ["smollm2-135m"], "cuda": ["qwen3-0.6b"]}
+DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class AgainstSpec:
+    decode_bs: Tuple[int, ...]
+    decode_ctx: int
+    decode_steps: int  # decode steps per repeat; a repeat's sample is their median
+    prefill_lengths: Tuple[int, ...]
+    repeats: int
+    prefill_runs: int = 3  # prefills per repeat; a repeat's sample is their median
+    confidence: float = 0.95
+
+    def workloads(self) -> List[Dict[str, Any]]:
+        return ([{"workload": "decode", "bs": b, "ctx": self.decode_ctx, "steps": self.decode_steps}
+                 for b in self.decode_bs] +
+                [{"workload": "prefill", "length": n, "runs": self.prefill_runs} for n in self.prefill_lengths])
+
+
+SPECS = {"cpu": AgainstSpec((1, 8), 128, 8, (128, 512), 5), "cuda": AgainstSpec((1, 64, 256), 512, 32, (128, 512), 10)}
+
+
+# ------------------------------------------------------------------------------------------------ the revisions
+def _git(tree: Path, *args: str) -> str:
+    out = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def tree_provenance(tree: Path, named: str) -> Dict[str, Any]:
+    commit = _git(tree, "rev-parse", "HEAD")
+    return {"named": named, "tree": str(tree), "commit": commit or "not a git checkout",
+            "subject": _git(tree, "log", "-1", "--format=%s") if commit else "",
+            "uncommitted_changes": bool(_git(tree, "status", "--porcelain")) if commit else "unknown"}
+
+
+@contextmanager
+def checkout(ref: str, repo: Path = REPO_ROOT) -> Iterator[Tuple[Path, Dict[str, Any]]]:
+    """(tree, provenance) of REF: a folder as it is, or a git revision of repo in a temporary worktree."""
+    folder = Path(ref)
+    if folder.is_dir():
+        if not (folder / "engine" / "__init__.py").is_file():
+            raise ValueError(f"--against {ref}: the folder holds no checkout of this project (no engine/__init__.py)")
+        yield folder.resolve(), tree_provenance(folder.resolve(), ref)
+        return
+    commit = _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if not commit:
+        raise ValueError(f"--against {ref}: neither a folder nor a git revision of {repo} (try a branch, a tag, a "
+                         "commit or a path to another checkout)")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-against-"))
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tmp / "tree"), commit],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"git worktree add {commit} failed: {out.stderr.strip()}")
+        yield tmp / "tree", tree_provenance(tmp / "tree", ref)
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tmp / "tree")],
+                       capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ the sides
+class Side:
+    """One runner process over one tree."""
+
+    def __init__(self, name: str, tree: Path, env: Dict[str, str] | None = None) -> None:
+        self.name, self.tree = name, tree
+        self.log = tempfile.TemporaryFile(mode="w+")  # its stderr, shown when it fails
+        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(RUNNER)], cwd=tree, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     env={**os.environ, "PYTHONPATH": str(tree), **(env or {})})
+
+    def send(self, request: Dict[str, Any]) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> Dict[str, Any]:
+        line = self.proc.stdout.readline()
+        answer = json.loads(line) if line else {"error": "the runner exited"}
+        if "error" in answer:
+            self.log.seek(0)
+            raise RuntimeError(f"{self.name} side ({self.tree}) failed:\n{answer['error']}\n"
+                               f"its stderr ends:\n{self.log.read()[-4000:]}")
+        return answer
+
+    def measure(self, workload: Dict[str, Any]) -> float:
+        self.send({"op": "measure", **workload})
+        return float(self.receive()["seconds"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "quit"})
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+def _setup(model: str, device: str, spec: AgainstSpec) -> Dict[str, Any]:
+    from harness import zoo
+
+    zoo.prepare(model)
+    seq = max(spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths) + 64
+    return {"model_path": str(zoo.path(model)), "dummy_weights": not zoo.MODELS[model].has_weights,
+            "device": device, "dtype": DTYPES[device.split(":")[0]], "max_running_req": max(spec.decode_bs),
+            "max_seq_len": seq, "num_pages": max(spec.decode_bs) * seq + seq}
+
+
+def measure(sides: Sequence[Side], setup: Dict[str, Any], spec: AgainstSpec) -> Dict[str, List[List[float]]]:
+    """Per side, per workload, the repeats' seconds. The sides start together (their imports overlap); each
+    workload is warmed up once on every side, then repeat i runs it on every side back to back, rotating the
+    order."""
+    for side in sides:
+        side.send(setup)
+    ready = {side.name: side.receive() for side in sides}
+    for side in sides:
+        if not Path(ready[side.name]["engine_file"]).resolve().is_relative_to(side.tree.resolve()):
+            raise RuntimeError(f"{side.name} side imported its engine from {ready[side.name]['engine_file']}, not "
+                               f"from {side.tree}: is an installed copy shadowing PYTHONPATH?")
+    samples: Dict[str, List[List[float]]] = {side.name: [] for side in sides}
+    for workload in spec.workloads():
+        for side in sides:
+            side.measure(workload)
+            samples[side.name].append([])
+        for i in range(spec.repeats):
+            k = i % len(sides)
+            for side in list(sides[k:]) + list(sides[:k]):
+                samples[side.name][-1].append(side.measure(workload))
+    return samples
+
+
+def compare_rows(model: str, spec: AgainstSpec, samples: Dict[str, List[List[float]]], ref: str,
+                 new: str) -> List[Dict[str, Any]]:
+    import statistics
+
+    rows = []
+    for workload, ref_s, new_s in zip(spec.workloads(), samples[ref], samples[new]):
+        stat = paired_ratio(ref_s, new_s, spec.confidence)
+        rows.append({"model": model, "workload": workload["workload"], "batch_size": workload.get("bs", 1),
+                     "length": workload.get("ctx", workload.get("length")),
+                     "ref_median_s": statistics.median(ref_s), "new_median_s": statistics.median(new_s),
+                     "ratio": stat.ratio, "ci_low": stat.low, "ci_high": stat.high,
+                     "noise_pct": 100 * stat.noise, "repeats": stat.n, "verdict": stat.verdict,
+                     "ref_samples": ref_s, "new_samples": new_s})
+    return rows
+
+
+def run_against(ref: str, device: str, models: List[str], spec: AgainstSpec, out_dir: Path) -> Dict[str, Any]:
+    """Compare this tree ("new") with REF ("ref") on each model; writes against.md and against.json into out_dir."""
+    rows: List[Dict[str, Any]] = []
+    with checkout(ref) as (ref_tree, ref_prov):
+        for model in models:
+            setup = _setup(model, device, spec)
+            with ExitStack() as stack:
+                sides = [Side(name, tree) for name, tree in (("ref", ref_tree), ("new", REPO_ROOT))]
+                for side in sides:
+                    stack.callback(side.close)
+                rows += compare_rows(model, spec, measure(sides, setup, spec), "ref", "new")
+    result = {"device": device, "spec": asdict(spec), "rows": rows, "ref": ref_prov,
+              "new": tree_provenance(REPO_ROOT, "this tree"),
+              "host": provenance(device, dtype=DTYPES[device.split(":")[0]])}
+    write_against_report(result, out_dir)
+    return result
+
+
+COLUMNS = ["model", "workload", "batch_size", "length", "ref_median_s", "new_median_s", "ratio", "ci_low", "ci_high",
+           "noise_pct", "repeats", "verdict"]
+
+
+def write_against_report(result: Dict[str, Any], out_dir: Path) -> Path:
+    spec = result["spec"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "against.json", result)
+    md = (f"# This tree against {result['ref']['named']} on {result['host']['device_name']} "
+          f"({result['host']['dtype']})\n\n"
+          "Both revisions ran the same workloads in this one run, each engine in its own process, interleaved: "
+          f"repeat i measured every side back to back, the order turning each repeat; {spec['repeats']} repeats after "
+          "one warm-up. decode: the median period of a repeat's decode steps through the driver (bs requests at "
+          f"context {spec['decode_ctx']}, {spec['decode_steps']} steps); prefill: the median of a repeat's "
+          f"{spec['prefill_runs']} prefill steps of one request through the driver, each the time to its first "
+          "token. ratio = reference time / new time, the geometric mean over the pairs, with its "
+          f"{100 * spec['confidence']:.0f}% t-interval on the pairs' log ratios: above 1 the new revision is faster. "
+          "verdict: faster or slower when the whole interval lies on one side of 1, else no difference at the "
+          "noise measured (noise_pct: the standard deviation of one pair's log ratio).\n\n"
+          f"{markdown_table(result['rows'], COLUMNS)}\n"
+          f"## Reference: {result['ref']['named']}\n{provenance_markdown(result['ref'])}\n"
+          f"## New: this tree\n{provenance_markdown(result['new'])}\n"
+          f"## Host\n{provenance_markdown(result['host'])}")
+    (out_dir / "against.md").write_text(md)
+    return out_dir / "against.md"
+
+
+def command(args: Any) -> int:
+    from harness.report import report_root, written_to
+
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    spec = SPECS[device]
+    if args.repeats is not None:
+        if args.repeats < 2:
+            raise SystemExit("--repeats must be >= 2 (the interval needs at least two pairs)")
+        spec = AgainstSpec(**{**asdict(spec), "repeats": args.repeats})
+    out_dir = report_root(args.update_reports) / "bench" / device
+    result = run_against(args.against, args.device, args.model or DEFAULT_MODELS[device], spec, out_dir)
+    print(text_table(result["rows"], COLUMNS))
+    print(written_to(out_dir / "against.md", args.update_reports))
+    return 0

@@ -1,0 +1,95 @@
+"""The GEMMs of a batch-1 decode step one at a time (CUDA): each projection of a decoder layer and the LM head at
+M = 1, through the engine's own layers, with the bandwidth each reaches reading its weight.
+
+At a few microseconds a call, launches would be what a loop of calls times, so the calls run back to back inside one
+CUDA graph, timed with CUDA events. Each call reads a different copy of the weight, enough copies to exceed the L2
+cache four times over: a decode step reads every weight once, from memory, never from L2.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from engine.layers.embedding import compute_logits
+from harness.bench.limits import Limits
+from harness.report import markdown_table
+
+MIN_CALLS = 24  # calls per graph replay
+REPLAYS = 20
+TARGET_FRACTION = 0.6  # of the measured bandwidth, at M = 1 on every shape
+
+
+def _shapes(engine: Any) -> List[tuple]:
+    """(name, weight, a call on x [1, K] made from a module or weight copy) for each GEMM of a decode step."""
+    layer, model = engine.model.model.layers[0], engine.model
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    vocab = engine.config.model_config.vocab_size
+    modules = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+               ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+    out: List[tuple] = [(name, m.weight, lambda m=m: _module_copy(m)) for name, m in modules]
+    out.append(("lm_head", head, lambda: (lambda w: lambda x: compute_logits(x, w, vocab))(head.clone())))
+    return out
+
+
+def _module_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """The same layer (its own forward) over its own copy of the weights: a shallow copy with its own parameters."""
+    clone = copy.copy(module)
+    clone._parameters = {k: None if p is None else p.detach().clone() for k, p in module._parameters.items()}
+    return clone
+
+
+def _time_per_call(calls: List[Callable[[torch.Tensor], Any]], x: torch.Tensor, n: int) -> float:
+    """Seconds per call: n calls cycling over the copies, captured in one graph, median over replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up outside the capture (kernel selection, lazy workspaces)
+            fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)](x)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / n)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def gemm_rows(model_name: str, engine: Any, limits: Limits) -> List[Dict[str, Any]]:
+    device = engine.device
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    rows = []
+    for name, weight, make_call in _shapes(engine):
+        nbytes = weight.numel() * weight.element_size()
+        calls = [make_call() for _ in range(max(1, -(-4 * l2 // nbytes)))]
+        x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)
+        secs = _time_per_call(calls, x, max(MIN_CALLS, len(calls)))
+        rows.append({"model": model_name, "gemm": name, "M": 1, "N": weight.shape[0], "K": weight.shape[1],
+                     "weight_MB": nbytes / 1e6, "copies": len(calls), "us": secs * 1e6, "GBps": nbytes / secs / 1e9,
+                     "fraction_of_bandwidth": nbytes / secs / limits.bandwidth})
+        del calls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def gemm_section(gemms: List[Dict[str, Any]]) -> str:
+    if not gemms:
+        return ""
+    return ("## GEMMs at M = 1\n"
+            "Each GEMM of a batch-1 decode step alone, through the engine's layers (layer 0's projections, the LM "
+            f"head): {MIN_CALLS} or more calls back to back in one CUDA graph, each on its own copy of the weight "
+            "(copies: enough to exceed four times the L2 cache), median over "
+            f"{REPLAYS} replays; GBps = weight bytes / time, beside the bandwidth measured in this run.\n\n"
+            f"{markdown_table(gemms)}\n")

@@ -1,0 +1,69 @@
+"""bench --against: the paired-ratio statistics on known samples; through real runner processes, two identical
+engines show no difference (the interval covers 1) and a planted sleep per forward is found slower by the ratio it
+implies; `--against HEAD` runs end to end from a temporary worktree, which is removed afterwards."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+
+import pytest
+
+from harness.__main__ import build_parser
+from harness.bench.ab_stats import paired_ratio
+from harness.bench.against import AgainstSpec, Side, _setup, compare_rows, measure, run_against
+from harness.report import REPO_ROOT
+
+SLEEP_S = 0.1  # planted per forward: large against a tiny model's step, even on a loaded host
+# confidence 0.99: the identical pair's false-alarm rate is 1%
+SPEC = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=4, prefill_lengths=(16,), repeats=6, confidence=0.99)
+
+
+def test_paired_ratio_on_known_samples():
+    ref = [1.0, 1.2, 0.9, 1.1]
+    exact = paired_ratio(ref, [2 * r for r in ref])  # every pair exactly twice as slow: no spread
+    assert (exact.ratio, exact.low, exact.high, exact.verdict) == (0.5, 0.5, 0.5, "slower")
+    assert paired_ratio([2 * r for r in ref], ref).verdict == "faster"
+    logs = [0.05, -0.02, 0.01, -0.04]  # log(ref / new) by pair
+    got = paired_ratio([math.exp(d) for d in logs], [1.0] * 4, confidence=0.95)
+    half = 3.182446305284263 * statistics.stdev(logs) / 2  # t(0.975, 3) x sd / sqrt(4)
+    assert got.ratio == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (got.low, got.high) == pytest.approx((math.exp(-half), math.exp(half)))  # the mean log ratio is 0
+    assert got.verdict == "no difference" and got.low < 1 < got.high
+    with pytest.raises(ValueError, match="at least 2"):
+        paired_ratio([1.0], [1.0])
+
+
+def test_identical_engines_agree_and_a_planted_sleep_is_slower():
+    setup = _setup("tiny-qwen3", "cpu", SPEC)
+    sides = [Side("ref", REPO_ROOT), Side("new", REPO_ROOT),
+             Side("slow", REPO_ROOT, {"AB_STEP_SLEEP_MS": str(1e3 * SLEEP_S)})]
+    try:
+        samples = measure(sides, setup, SPEC)
+    finally:
+        for side in sides:
+            side.close()
+    for same, slow in zip(compare_rows("tiny-qwen3", SPEC, samples, "ref", "new"),
+                          compare_rows("tiny-qwen3", SPEC, samples, "ref", "slow")):
+        # every forward of the slow side took SLEEP_S longer: its pair ratios are ref / (ref + SLEEP_S)
+        implied = math.exp(statistics.fmean(math.log(r / (r + SLEEP_S)) for r in same["ref_samples"]))
+        print(f"{same['workload']}: identical {same['ratio']:.3f} [{same['ci_low']:.3f}, {same['ci_high']:.3f}]; "
+              f"planted {slow['ratio']:.3f} [{slow['ci_low']:.3f}, {slow['ci_high']:.3f}], implied {implied:.3f}")
+        assert same["verdict"] == "no difference" and same["ci_low"] <= 1 <= same["ci_high"]
+        assert slow["verdict"] == "slower" and slow["ci_low"] <= implied <= slow["ci_high"]
+
+
+def test_against_head_runs_end_to_end(tmp_path):
+    args = build_parser().parse_args(["bench", "--against", "HEAD", "--repeats", "2"])
+    assert (args.against, args.repeats) == ("HEAD", 2)
+    spec = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=3, prefill_lengths=(16,), repeats=2)
+    result = run_against("HEAD", "cpu", ["tiny-qwen3"], spec, tmp_path)
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert result["ref"]["commit"] == head.stdout.strip() and result["new"]["tree"] == str(REPO_ROOT)
+    assert [(r["workload"], r["repeats"]) for r in result["rows"]] == [("decode", 2), ("prefill", 2)]
+    assert all(r["verdict"] in ("faster", "slower", "no difference") for r in result["rows"])
+    md = (tmp_path / "against.md").read_text()
+    assert "## Reference: HEAD" in md and "## New: this tree" in md and (tmp_path / "against.json").is_file()
+    worktrees = subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True)
+    assert result["ref"]["tree"] not in worktrees.stdout  # the temporary checkout is gone
