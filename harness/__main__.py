@@ -1,4 +1,4 @@
-"""python -m harness {models,golden,parity,sampling,bench} ... (each verb's --help says more)."""
+"""python -m harness {models,golden,parity,sampling,bench,resolution} ... (each verb's --help says more)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _register_optional() -> List[Callable[[argparse._SubParsersAction], None]]:
-    from harness import bench, golden, parity, sampling
+    from harness import bench, golden, parity, resolution, sampling
 
-    return [golden.register, parity.register, sampling.register, bench.register]
+    return [golden.register, parity.register, sampling.register, bench.register, resolution.register]
 
 
 _VERBS: List[Callable[[argparse._SubParsersAction], None]] = []

@@ -1,0 +1,115 @@
+"""The resolution report: <reports>/resolution/<device>.{md,json}, <reports> being build/reports unless the
+committed reports/ are asked for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List
+
+from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
+from harness.resolution.faults import FAMILIES
+from harness.resolution.run import CheckResult, Row
+
+GOALS = (  # (family, check kind, largest e that must be detected, where the issue asks for it)
+    ("softmax-decode", "parity-fp32", 1e-3, "0.1% in fp32"),
+    ("softmax-decode", "parity-bf16", 1e-2, "1% in a check of `pytest -m cuda`"),
+)
+
+
+def _e(e: float | None) -> str:
+    return "-" if e is None else f"{e:.3g}"
+
+
+def _table_row(result: CheckResult, row: Row) -> Dict[str, Any]:
+    s = row.search
+    if s is None:
+        return {"check": result.name, "family": row.family, "smallest detected": "not searched",
+                "largest missed": "-", "probes": 0, "seconds": 0.0, "what the check saw at the threshold":
+                f"fails with no fault: {result.baseline.detail}"}
+    at = next((p for p in s.probes if p.e == s.smallest_detected), None)
+    status = "" if s.status == "bracketed" else f" ({s.status})"
+    return {"check": result.name, "family": row.family, "e range": f"{s.e_min:g}..{s.e_max:g}",
+            "smallest detected": _e(s.smallest_detected) + status, "largest missed": _e(s.largest_missed),
+            "probes": len(s.probes), "seconds": round(s.seconds, 1),
+            "what the check saw at the threshold": at.detail if at else s.probes[-1].detail}
+
+
+def _probes_line(row: Row) -> str:
+    if row.search is None:
+        return "-"
+    return ", ".join(f"{p.e:.3g} {'caught' if p.detected else 'missed'}" for p in row.search.probes)
+
+
+def _goals(results: List[CheckResult]) -> List[str]:
+    lines = []
+    for fam, kind, need, where in GOALS:
+        for r in (r for r in results if r.kind == kind):
+            row = next((x for x in r.rows if x.family == fam and x.search is not None), None)
+            if row is None:
+                continue
+            got = row.search.smallest_detected
+            met = got is not None and got <= need
+            lines.append(f"- {where}, {fam}: {r.name} detects e = {_e(got)} (misses {_e(row.search.largest_missed)})"
+                         f": {'met' if met else 'NOT met'}")
+    return lines
+
+
+METHOD = """\
+## How it was found
+
+- **Faults** (`harness/resolution/faults.py`) are planted in-process: a context manager patches what the engine
+  reads at call time (the attention backends' softmax scale for one phase, every rotary table rewritten in place
+  from base x (1 + e), the KV store, the sampler's arguments) and restores it bitwise on exit; e = 0 changes
+  nothing (`tests/test_resolution.py` checks both, and that each family moves the logits). FlashInfer takes the
+  softmax scale when a batch is planned, and a decode CUDA graph bakes it (and the KV store's ops) at capture: on an
+  engine with decode graphs those two families are probed on an engine built inside the fault.
+- **Probes** (`harness/resolution/checks.py`) run only what the check runs, in this process: a parity probe drives
+  one path's golden prompts through one engine kept across probes (its KV pool zeroed before each, as a new
+  engine's is) and applies the gate of `harness/parity.py` (per-prompt max err against tol, near ties, and in half
+  precision the distribution gate); a sampling probe runs the grid's exact and chi-square checks on the stated cases.
+- **Search** (`harness/resolution/search.py`): bisection of e in log space between e_min and e_max; detection is
+  assumed monotone in e and checked at the ends (e_max must be detected, e_min missed, else the row says which end
+  failed); it stops when largest missed / smallest detected <= the ratio. The threshold lies between the two
+  columns.
+"""
+
+
+def markdown(results: List[CheckResult], device: str, settings: Dict[str, Any], prov: Dict[str, Any],
+             wall: float) -> str:
+    rows = [_table_row(r, row) for r in results for row in r.rows]
+    out = [f"# Resolution of the harness's checks ({device})", "",
+           "The smallest fault of each family each check detects. A fault of size e is what the family says; "
+           f"searched with ratio {settings['ratio']}, parity on path `{settings['path']}`; wall time {wall:.0f} s.",
+           "", markdown_table(rows), "## Goals", "", *(_goals(results) or ["- no goal's check was run"]), "",
+           "## Families", "", *(f"- `{f.name}`: {f.what}" for f in FAMILIES.values()), "", "## Checks", ""]
+    for r in results:
+        base = "passes" if not r.baseline.detected else "FAILS"
+        builds = f"; engines built: {r.builds}" if r.builds is not None else ""
+        out.append(f"- **{r.name}**: {r.description}. With no fault it {base} ({r.baseline.detail}; "
+                   f"{r.baseline_seconds:.1f} s){builds}.")
+    out += ["", METHOD, "## Probes", ""]
+    out += [f"- {r.name}, {row.family}: {_probes_line(row)}" for r in results for row in r.rows]
+    out += ["", "## Provenance", "", provenance_markdown(prov)]
+    return "\n".join(out)
+
+
+def write_report(results: List[CheckResult], device: str, settings: Dict[str, Any], wall: float,
+                 update: bool) -> str:
+    """Write the markdown and JSON; return the line saying where they went."""
+    device_type = device.split(":")[0]
+    out: Path = report_root(update) / "resolution"
+    prov = provenance(device)
+    write_json(out / f"{device_type}.json", {"provenance": prov, "settings": settings, "wall_s": wall,
+                                             "checks": [_as_json(r) for r in results]})
+    (out / f"{device_type}.md").write_text(markdown(results, device, settings, prov, wall))
+    return written_to(out / f"{device_type}.md", update)
+
+
+def _as_json(result: CheckResult) -> Dict[str, Any]:
+    data = asdict(result)
+    for row, raw in zip(result.rows, data["rows"]):
+        if row.search is not None:
+            raw["search"].update(smallest_detected=row.search.smallest_detected,
+                                 largest_missed=row.search.largest_missed, seconds=row.search.seconds)
+    return data

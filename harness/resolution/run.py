@@ -1,0 +1,117 @@
+"""python -m harness resolution: every chosen check against every fault family that applies to it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from harness.resolution.checks import Check, ParityCheck, SamplingCheck
+from harness.resolution.faults import FAMILIES, Family
+from harness.resolution.search import Search, Verdict, find_threshold
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RATIO = 1.25  # the bracket each search ends with: largest missed / smallest detected
+DEFAULT_CHECKS = {"cpu": ("parity-fp32", "sampling"), "cuda": ("parity-bf16", "parity-fp32", "sampling")}
+DEFAULT_MODELS = {"cpu": ("tiny-qwen3", "smollm2-135m", "tiny-gemma3"), "cuda": ("smollm2-135m", "tiny-qwen3")}
+PER_MODEL = ("parity-fp32", "parity-bf16")
+
+
+def _parity(dtype: str) -> Callable[[argparse.Namespace, str | None], ParityCheck]:
+    def make(args: argparse.Namespace, model: str | None) -> ParityCheck:
+        if dtype == "bfloat16" and not args.device.startswith("cuda"):
+            raise ValueError("parity-bf16 compares with the GPU's bf16 goldens: run it with --device cuda")
+        return ParityCheck(model, args.device, dtype, args.path, args.threads)
+    return make
+
+
+# check kind -> (the command's arguments, the model or None) -> Check; a new kind of check registers here
+CHECKS: Dict[str, Callable[[argparse.Namespace, str | None], Check]] = {
+    "parity-fp32": _parity("float32"),
+    "parity-bf16": _parity("bfloat16"),
+    "sampling": lambda args, model: SamplingCheck(args.device),
+}
+
+
+@dataclass
+class Row:
+    family: str
+    search: Search | None  # None: not searched (the check fails with no fault)
+
+
+@dataclass
+class CheckResult:
+    kind: str
+    name: str
+    description: str
+    baseline: Verdict
+    baseline_seconds: float
+    rows: List[Row] = field(default_factory=list)
+    builds: int | None = None  # engines built, for checks that hold one
+
+
+def measure(kind: str, check: Check, families: Sequence[Family], ratio: float = DEFAULT_RATIO,
+            on_row: Callable[[CheckResult, Row], None] | None = None) -> CheckResult:
+    """The baseline, then one search per family; faults that graphs bake come last (each of their probes builds
+    an engine, so the clean engine is built once for the others)."""
+    try:
+        start = time.perf_counter()
+        base = check.baseline()
+        result = CheckResult(kind, check.name, "", base, time.perf_counter() - start)
+        baked = getattr(check, "baked", lambda f: False)
+        for fam in sorted(families, key=baked):
+            search = None
+            if not base.detected:
+                e_min, e_max = check.search_range(fam)
+                search = find_threshold(lambda e, f=fam: check.probe(f, e), e_min, e_max, ratio)
+            result.rows.append(Row(fam.name, search))
+            if on_row is not None:
+                on_row(result, result.rows[-1])
+        result.description = check.describe()
+        result.builds = getattr(check, "builds", None)
+        return result
+    finally:
+        check.close()
+
+
+def _print_row(result: CheckResult, row: Row) -> None:
+    s = row.search
+    if s is None:
+        print(f"{result.name:40s} {row.family:16s} not searched: fails with no fault ({result.baseline.detail})")
+        return
+    print(f"{result.name:40s} {row.family:16s} smallest detected {_e(s.smallest_detected)}, largest missed "
+          f"{_e(s.largest_missed)} ({s.status}; {len(s.probes)} probes, {s.seconds:.0f} s)", flush=True)
+
+
+def _e(e: float | None) -> str:
+    return "-" if e is None else f"{e:.3g}"
+
+
+def cmd(args: argparse.Namespace) -> int:
+    from harness.resolution.report import write_report
+
+    device = args.device
+    kinds = args.check or list(DEFAULT_CHECKS[device.split(":")[0]])
+    models = args.model or list(DEFAULT_MODELS[device.split(":")[0]])
+    chosen = [FAMILIES[f] for f in args.family] if args.family else list(FAMILIES.values())
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    results: List[CheckResult] = []
+    for kind in kinds:
+        for model in (models if kind in PER_MODEL else [None]):
+            check = CHECKS[kind](args, model)
+            families = [f for f in chosen if f.target == check.target]
+            if families:
+                results.append(measure(kind, check, families, args.ratio, _print_row))
+            else:
+                check.close()
+    settings = {"ratio": args.ratio, "path": args.path, "checks": kinds, "models": models,
+                "families": [f.name for f in chosen], "threads": torch.get_num_threads()}
+    print(write_report(results, device, settings, time.perf_counter() - start, args.update_reports))
+    return 1 if any(r.baseline.detected for r in results) else 0
