@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, List, Literal
+from typing import TYPE_CHECKING, Any, Iterator, List, Literal, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend
     from engine.kvcache import KVCachePool
 
 
@@ -121,6 +120,13 @@ class Batch:
         return len(self.padded_reqs)
 
 
+class AttentionForward(Protocol):
+    """What the layers call on the Context's attention backend (engine.attention.base.AttentionBackend implements
+    it); stated here so that core, which the backends import, imports none of them."""
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
+
+
 @dataclass
 class Context:
     """What the layers read during a forward: the batch, the KV pool, the page table, the attention backend."""
@@ -128,7 +134,7 @@ class Context:
     page_size: int
     kv_cache: KVCachePool | None = None
     page_table: torch.Tensor | None = None  # [max_running_req + 1, aligned_max_seq_len] int32 token slots
-    attn_backend: AttentionBackend | None = None
+    attn_backend: AttentionForward | None = None
     moe_backend: Any = None
     _batch: Batch | None = None
 

@@ -11,14 +11,15 @@ from typing import Any, List
 import torch
 
 from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
 from engine.core import Batch, Context, Req, set_global_ctx
 from engine.distributed import (destroy_process_groups, div_even, init_process_groups, set_tp_info,
                                 tp_broadcast, tp_min_over_ranks)
 from engine.graph import GraphRunner
-from engine.kvcache import create_kvcache_pool
+from engine.kvcache import KVCachePool, create_kvcache_pool
 from engine.layers.ops import create_ops, resolve_ops_backend
-from engine.memory import MemoryPlan, plan_num_pages
+from engine.memory import MemoryPlan, measure_activation_peak, plan_num_pages
 from engine.models import create_model, dummy_state_dict, load_weight_state_dict
 from engine.models.decoder import heads_per_rank
 from engine.sample import BatchSamplingArgs, Sampler
@@ -72,8 +73,7 @@ class Engine:
         self.plan = self._determine_num_pages(init_free_memory, config)
         self.num_pages = self.plan.num_pages
         num_tokens = self.num_pages * config.page_size
-        self.ctx.kv_cache = self.kv_cache = create_kvcache_pool(
-            config.model_config, self.num_pages + 1, config.page_size, self.num_kv_heads, self.device, self.dtype)
+        self.ctx.kv_cache = self.kv_cache = self._make_kv_pool(config, self.num_pages + 1)
 
         # the page table: one row per request slot holding each position's KV slot; the last row is the dummy's
         self.max_seq_len = min(config.max_seq_len, num_tokens)
@@ -82,8 +82,7 @@ class Engine:
             (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device)
 
         # the attention backend (reads the pool, so it comes after it) and the sampler
-        self.ctx.attn_backend = self.attn_backend = create_attention_backend(
-            config.attention_backend, config.model_config, self.num_qo_heads, self.num_kv_heads, self.device, self.dtype)
+        self.ctx.attn_backend = self.attn_backend = self._make_attn_backend(config)
         self.sampler = Sampler(self.device, config.model_config.vocab_size, seed=config.seed)
 
         # the dummy request and CUDA graphs (capturing runs the model, so it comes last)
@@ -135,9 +134,16 @@ class Engine:
         """Bytes the forward passes need beyond the weights and the KV pool (measured on CUDA, 0 on a CPU)."""
         if not is_cuda(self.device):
             return 0
-        from engine.memory import measure_activation_peak
+        return measure_activation_peak(self.model, config, lambda pages: self._make_kv_pool(config, pages),
+                                       lambda: self._make_attn_backend(config))
 
-        return measure_activation_peak(self, config)
+    def _make_kv_pool(self, config: EngineConfig, num_pages: int) -> KVCachePool:
+        return create_kvcache_pool(config.model_config, num_pages, config.page_size, self.num_kv_heads, self.device,
+                                   self.dtype)
+
+    def _make_attn_backend(self, config: EngineConfig) -> AttentionBackend:
+        return create_attention_backend(config.attention_backend, config.model_config, self.num_qo_heads,
+                                        self.num_kv_heads, self.device, self.dtype)
 
     # ------------------------------------------------------------------ the one method
     @torch.inference_mode()

@@ -26,6 +26,7 @@ class GraphRunner:
                  cuda_graph_bs: List[int], dummy_req: Req) -> None:
         self.device = device
         self.dummy_req = dummy_req
+        self.attn_backend = attn_backend
         self.graph_bs = sorted(cuda_graph_bs) if is_cuda(device) else []
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: Dict[int, torch.Tensor] = {}
@@ -86,7 +87,7 @@ class GraphRunner:
         self.input_ids[n:bs].zero_()
         self.positions[n:bs].zero_()
         self.out_loc[n:bs].fill_(self.dummy_slot)
-        get_global_ctx().attn_backend.prepare_for_replay(batch)
+        self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.logits[bs]
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.utils.misc import gib
+from engine.core import Batch, Req, SamplingParams, get_global_ctx
+from engine.sample import Sampler
+from engine.utils.misc import align_up, gib
 
 if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.kvcache import KVCachePool
 
 logger = logging.getLogger(__name__)
 
@@ -53,29 +56,24 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
 
 
 @torch.inference_mode()
-def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
+def measure_activation_peak(model: torch.nn.Module, config: EngineConfig, make_kv_pool: Callable[[int], KVCachePool],
+                            make_attn_backend: Callable[[], AttentionBackend]) -> int:
     """Bytes the forward passes need beside weights and KV pool, measured on CUDA before the pool exists.
 
-    On a scratch pool just large enough, run the largest prefill (max_forward_len tokens), the largest decode batch
-    (its activations are what a CUDA graph's private pool keeps), and the sampler's worst path over
-    max_running_req rows; add the attention workspace. The sum is reserved from the KV pool's share.
+    On a scratch pool just large enough (make_kv_pool(pages), with the backend make_attn_backend() over it, both
+    installed in the global Context for the probe), run the model's largest prefill (max_forward_len tokens), the
+    largest decode batch (its activations are what a CUDA graph's private pool keeps), and the sampler's worst path
+    over max_running_req rows; add the attention workspace. The sum is reserved from the KV pool's share.
     """
-    from engine.attention import create_attention_backend
-    from engine.core import Batch, Req, SamplingParams
-    from engine.kvcache import create_kvcache_pool
-    from engine.sample import Sampler
-    from engine.utils.misc import align_up
-
-    ctx, mc, device = engine.ctx, config.model_config, engine.device
+    ctx, mc, device = get_global_ctx(), config.model_config, torch.device(config.device)
     tokens = config.max_forward_len
     max_bs = max(config.cuda_graph_bs or [1])
     pages = -(-tokens // config.page_size) + max_bs + 1
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    ctx.kv_cache = create_kvcache_pool(mc, pages, config.page_size, engine.num_kv_heads, device, engine.dtype)
+    ctx.kv_cache = make_kv_pool(pages)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
-    ctx.attn_backend = create_attention_backend(config.attention_backend, mc, engine.num_qo_heads,
-                                                engine.num_kv_heads, device, engine.dtype)
+    ctx.attn_backend = attn_backend = make_attn_backend()
     scratch = torch.cuda.memory_allocated(device) - base
     torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -89,9 +87,9 @@ def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
             batch.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
             batch.positions = torch.zeros(n, dtype=torch.int32, device=device)
             batch.out_loc = torch.arange(n, dtype=torch.int64, device=device)
-            ctx.attn_backend.prepare_metadata(batch)
+            attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
-                engine.model.forward()
+                model.forward()
         rows = config.max_running_req
         logits = torch.randn(rows, mc.vocab_size, device=device)
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05)  # min_p forces the sort path
@@ -101,7 +99,7 @@ def measure_activation_peak(engine: "Engine", config: "EngineConfig") -> int:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base - scratch
     finally:
-        ctx.kv_cache = ctx.page_table = ctx.attn_backend = None
+        ctx.kv_cache = ctx.page_table = ctx.attn_backend = attn_backend = None
         torch.cuda.empty_cache()
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 

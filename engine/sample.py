@@ -1,6 +1,6 @@
 """The sampler: parameters laid out as tensors on the host side, one batched draw on the device.
 
-Semantics, per request, the same on every device (harness/oracle.py is their float64 reference):
+Semantics, per request, the same on every device (harness/sampling/oracle.py is their float64 reference):
 - temperature 0, or top_k 1, is greedy: the argmax, the lowest id among equal maxima. An all-greedy batch is an argmax
   with no softmax. Greedy rows in a mixed batch get temperature 1e-6 for the shared path and their draw is then
   replaced by the argmax: 1e-6 alone does not collapse exact ties (common in bf16 logits).

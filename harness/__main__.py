@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from typing import Callable, List
@@ -33,22 +34,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="prepare again even if cached")
     p.set_defaults(func=_models)
 
-    for register in _VERBS:
+    for register in _verbs():
         register(sub)
     return parser
 
 
-def _register_optional() -> List[Callable[[argparse._SubParsersAction], None]]:
-    from harness import bench, golden, parity, resolution, sampling
+# the modules whose register(sub) adds a verb, in the order --help lists them: a new verb package is one line here
+VERBS = (
+    "harness.golden",
+    "harness.parity",
+    "harness.sampling",
+    "harness.bench",
+    "harness.resolution",
+)
 
-    return [golden.register, parity.register, sampling.register, bench.register, resolution.register]
 
-
-_VERBS: List[Callable[[argparse._SubParsersAction], None]] = []
+def _verbs() -> List[Callable[[argparse._SubParsersAction], None]]:
+    return [importlib.import_module(name).register for name in VERBS]
 
 
 def main(argv: List[str] | None = None) -> int:
-    _VERBS[:] = _register_optional()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from harness import zoo
+from harness.compare import compare_row
 from harness.report import provenance
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
@@ -131,9 +132,7 @@ def spread_summary(errs: List[float], kls: List[float]) -> Dict[str, Any]:
 
 def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str) -> Dict[str, Any]:
     """HF against itself: every sequence through sdpa and through eager attention, compared position by position
-    on sdpa's top-K ids with the engine's own measure (harness.parity.compare_row)."""
-    from harness.parity import compare_row
-
+    on sdpa's top-K ids with the engine's own measure (harness.compare.compare_row)."""
     errs, kls = [], []
     for seq in sequences:
         full = torch.tensor([seq], device=device)

@@ -13,8 +13,10 @@ from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.core import get_global_ctx
 from engine.layers.ops import FlashInferOps
 from harness import golden as G
-from harness.parity import compare_row, dist_limits, evaluate, golden_row, run_parity, tie_tolerance, tolerance
-from harness.parity_paths import PATHS
+from harness.compare import compare_row
+from harness.parity.gate import dist_limits, evaluate, golden_row, tie_tolerance, tolerance
+from harness.parity.paths import PATHS
+from harness.parity.run import run_parity
 
 pytestmark = pytest.mark.cuda
 MODEL = "tiny-qwen3"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from harness import golden as G
-from harness.parity import run_parity
+from harness.parity.run import run_parity
 
 MODEL = "tiny-qwen3"
 

@@ -15,8 +15,8 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from harness import golden as G
-from harness.parity import run_parity
-from harness.parity_report import write_report
+from harness.parity.report import write_report
+from harness.parity.run import run_parity
 
 # gemma3-270m needs 238 MB of wheels and about 2.5 minutes of conversion before its parity: `nox -s parity` runs it
 CI_MODELS = [m for m in G.GOLDEN_MODELS if m != "gemma3-270m"]

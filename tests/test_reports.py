@@ -8,10 +8,11 @@ from typing import List, Tuple
 
 import pytest
 
-from harness import report, sampling
+from harness import report
 from harness.__main__ import main
-from harness.bench_report import write_bench_report
-from harness.sampling_cases import small_cases
+from harness.bench.report import write_bench_report
+from harness.sampling import run as sampling
+from harness.sampling.cases import small_cases
 
 Roots = Tuple[Path, Path]
 

@@ -22,8 +22,8 @@ from harness.driver import Driver
 from harness.resolution.checks import ParityCheck
 from harness.resolution.faults import FAMILIES, Family, lost_writes
 from harness.resolution.search import Verdict, find_threshold
-from harness.sampling import make_batch
-from harness.sampling_cases import L12, SP
+from harness.sampling.cases import L12, SP
+from harness.sampling.run import make_batch
 
 PROMPTS = [[504, 3575, 282, 4649, 314, 1183, 28, 9], [1060, 314, 253, 1345, 30]]
 ENGINE_FAULTS = {"softmax-decode": 0.05, "softmax-prefill": 0.05, "rope-base": 0.05, "kv-wrong-slot": 0.3}

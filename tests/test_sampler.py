@@ -11,9 +11,9 @@ import torch
 
 from engine.core import SamplingParams
 from engine.sample import Sampler, filtered_probs
-from harness.oracle import filtered_distribution
-from harness.sampling import make_batch
-from harness.sampling_cases import small_cases
+from harness.sampling.cases import small_cases
+from harness.sampling.oracle import filtered_distribution
+from harness.sampling.run import make_batch
 
 CPU = torch.device("cpu")
 SPEC_LOGITS = [5.0, 4.0, 3.0, 0.0, 0.0, 0.0]

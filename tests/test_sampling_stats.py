@@ -20,10 +20,10 @@ import torch
 import engine.sample
 from engine.sample import Sampler
 from harness.__main__ import main
-from harness.oracle import filtered_distribution
-from harness.sampling import SampleFn, make_batch, run_grid
-from harness.sampling_cases import real_cases, small_cases
-from harness.sampling_stats import chi_square, pool, power_at, required_draws
+from harness.sampling.cases import real_cases, small_cases
+from harness.sampling.oracle import filtered_distribution
+from harness.sampling.run import SampleFn, make_batch, run_grid
+from harness.sampling.stats import chi_square, pool, power_at, required_draws
 
 FAULT_TV = 0.05
 FAULTS = {  # fault -> a case it must fail

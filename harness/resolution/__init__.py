@@ -11,7 +11,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from harness.parity_paths import PATHS
+    from harness.parity.paths import PATHS
     from harness.report import add_update_flag
     from harness.resolution.faults import FAMILIES
     from harness.resolution.run import CHECKS, DEFAULT_CHECKS, DEFAULT_MODELS, DEFAULT_RATIO, cmd

@@ -15,9 +15,9 @@ import torch
 
 from engine import Engine
 from harness import golden as G
-from harness.parity import (HALF, PromptResult, PathResult, dist_limits, drive_path, evaluate, path_engine,
-                            plan_path, tie_tolerance, tolerance)
-from harness.parity_paths import PATHS
+from harness.parity.gate import HALF, PathResult, PromptResult, dist_limits, evaluate, tie_tolerance, tolerance
+from harness.parity.paths import PATHS
+from harness.parity.run import drive_path, path_engine, plan_path
 from harness.resolution.faults import Family, Target
 from harness.resolution.search import Verdict
 
@@ -63,14 +63,17 @@ class ParityCheck:
         self.plan = plan_path(self.path, device, dtype, self.gs)
         self.engine: Engine | None = None
         self.builds = 0  # engines built: one, plus one per probe of a fault the graphs bake
+        self.layers = 0  # the model's, once an engine is built
         self._baked: Dict[str, bool] = {}
 
     def describe(self) -> str:
         gate = f"max err per prompt <= {self.tol:.3g}" + (
             "" if self.limits is None else ", " + ", ".join(f"{k} <= {v:.3g}" for k, v in self.limits.items()))
+        tokens = sum(len(p.prompt_ids) + len(p.tokens) - 1 for p in self.gs.prompts)  # the last token is not fed
+        writes = f" ({tokens * self.layers} KV writes: tokens x layers)" if self.layers else ""
         return (f"path `{self.path.name}` ({self.path.description}), {len(self.gs.prompts)} golden prompts "
-                f"teacher-forced, {len(self.gs.prompts[0].tokens)} new tokens each; gate: {gate}, near ties within "
-                f"{self.tie_tol:.3g}")
+                f"teacher-forced, {len(self.gs.prompts[0].tokens)} new tokens each{writes}; gate: {gate}, near ties "
+                f"within {self.tie_tol:.3g}")
 
     def search_range(self, family: Family) -> tuple[float, float]:
         half = self.dtype in HALF and family.e_min_half is not None
@@ -106,6 +109,7 @@ class ParityCheck:
     def _build(self) -> Engine:
         self.builds += 1
         engine = path_engine(self.plan, self.model)
+        self.layers = engine.config.model_config.num_layers
         if self.threads is not None:  # the engine set its own
             torch.set_num_threads(self.threads)
         return engine
@@ -153,7 +157,7 @@ class SamplingCheck:
 
     def __init__(self, device: str = "cpu", cases: Sequence[str] = SAMPLING_CASES, family_alpha: float = 0.01,
                  tv: float = 0.01, power: float = 0.99, seed: int = 0) -> None:
-        from harness.sampling_cases import small_cases
+        from harness.sampling.cases import small_cases
 
         by_name = {c.name: c for c in small_cases()}
         unknown = [c for c in cases if c not in by_name]
@@ -187,7 +191,7 @@ class SamplingCheck:
         pass
 
     def _run(self) -> Verdict:
-        from harness.sampling import run_grid
+        from harness.sampling.run import run_grid
 
         result = run_grid(self.device, cases=self.cases, **self.settings)
         self._last = result.settings

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence
 
 import torch
 
 from harness.resolution.checks import Check, ParityCheck, SamplingCheck
 from harness.resolution.faults import FAMILIES, Family
-from harness.resolution.search import Search, Verdict, find_threshold
-
-logger = logging.getLogger(__name__)
+from harness.resolution.report import CheckResult, Row, write_report
+from harness.resolution.search import find_threshold
 
 DEFAULT_RATIO = 1.25  # the bracket each search ends with: largest missed / smallest detected
 DEFAULT_CHECKS = {"cpu": ("parity-fp32", "sampling"), "cuda": ("parity-bf16", "parity-fp32", "sampling")}
@@ -36,23 +33,6 @@ CHECKS: Dict[str, Callable[[argparse.Namespace, str | None], Check]] = {
     "parity-bf16": _parity("bfloat16"),
     "sampling": lambda args, model: SamplingCheck(args.device),
 }
-
-
-@dataclass
-class Row:
-    family: str
-    search: Search | None  # None: not searched (the check fails with no fault)
-
-
-@dataclass
-class CheckResult:
-    kind: str
-    name: str
-    description: str
-    baseline: Verdict
-    baseline_seconds: float
-    rows: List[Row] = field(default_factory=list)
-    builds: int | None = None  # engines built, for checks that hold one
 
 
 def measure(kind: str, check: Check, families: Sequence[Family], ratio: float = DEFAULT_RATIO,
@@ -93,8 +73,6 @@ def _e(e: float | None) -> str:
 
 
 def cmd(args: argparse.Namespace) -> int:
-    from harness.resolution.report import write_report
-
     device = args.device
     kinds = args.check or list(DEFAULT_CHECKS[device.split(":")[0]])
     models = args.model or list(DEFAULT_MODELS[device.split(":")[0]])

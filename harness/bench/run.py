@@ -20,13 +20,12 @@ from tqdm import tqdm
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
 from harness import zoo
-from harness.bench_limits import Limits, ModelCost, measure_limits, model_cost
-from harness.bench_profile import bound, host_parts, profile_replay
-from harness.bench_report import write_bench_report
-from harness.bench_workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
+from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
+from harness.bench.profile import bound, host_parts, profile_replay
+from harness.bench.report import write_bench_report
+from harness.bench.workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, hf_decode,
                                      hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
-from harness.report import add_update_flag
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODELS = {"cpu": ["smollm2-135m", "gemma3-270m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
@@ -172,20 +171,9 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
             "profiles": profiles}
 
 
-def _cmd(args: argparse.Namespace) -> int:
+def command(args: argparse.Namespace) -> int:
     device = args.device
     models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
     result = run_bench(device, models, with_hf=not args.no_hf)
     print(write_bench_report(result, update=args.update_reports))
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--model", action="append", choices=list(zoo.MODELS),
-                   help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m "
-                        "on cuda")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
-    add_update_flag(p)
-    p.set_defaults(func=_cmd)

@@ -4,14 +4,13 @@ build/reports unless the committed reports/ are asked for (harness.report.report
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List
 
-from harness.parity_paths import PATHS
+from harness.parity.gate import ParityResult
+from harness.parity.gate import __doc__ as rule
+from harness.parity.paths import PATHS
 from harness.report import (markdown_table, provenance, provenance_markdown, report_root, text_table, write_json,
                             written_to)
-
-if TYPE_CHECKING:
-    from harness.parity import ParityResult
 
 COLUMNS = ["path", "prompt", "max_err_prefill", "max_err_decode", "max_kl", "max_tv", "divergence", "passed"]
 
@@ -28,7 +27,7 @@ def _row(p: Any) -> Dict[str, Any]:
     return d
 
 
-def summary_rows(result: "ParityResult") -> List[Dict[str, Any]]:
+def summary_rows(result: ParityResult) -> List[Dict[str, Any]]:
     """One row per path: the worst over its prompts."""
     rows = []
     for path in dict.fromkeys(p.path for p in result.prompts):
@@ -46,7 +45,7 @@ DIST_COLUMNS = ["path", "positions", "err_p50", "err_p90", "err_p99", "err_max",
                 "passed"]
 
 
-def distribution_rows(result: "ParityResult") -> List[Dict[str, Any]]:
+def distribution_rows(result: ParityResult) -> List[Dict[str, Any]]:
     """One row per path: the engine's error distribution, and the half-precision gate's limits on it."""
     rows = []
     for p in result.paths:
@@ -56,7 +55,7 @@ def distribution_rows(result: "ParityResult") -> List[Dict[str, Any]]:
     return rows
 
 
-def _hf_line(result: "ParityResult") -> str:
+def _hf_line(result: ParityResult) -> str:
     s = result.hf_stats
     if not s:
         return ""
@@ -65,7 +64,7 @@ def _hf_line(result: "ParityResult") -> str:
             f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n")
 
 
-def write_report(result: "ParityResult", write_files: bool = True, update: bool = False) -> str:
+def write_report(result: ParityResult, write_files: bool = True, update: bool = False) -> str:
     """Write the markdown and JSON reports (into the committed reports/ only when `update`); return the terminal
     summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
@@ -84,8 +83,6 @@ def write_report(result: "ParityResult", write_files: bool = True, update: bool 
         text += f"\nthe engine's result, in the golden's format: {result.obtained}"
     if not write_files:
         return text
-    from harness.parity import __doc__ as rule
-
     prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
     name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "")
     out = report_root(update) / "parity" / result.model / name

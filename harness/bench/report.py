@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
-from harness.bench_profile import by_category
+from harness.bench.profile import by_category
 from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
 
 COLUMNS = ["model", "runner", "workload", "batch_size", "length", "median_s", "p10_s", "p90_s", "samples",

@@ -3,7 +3,7 @@
 Each case is one batch of rows with their own parameters; the batch is repeated many times in one `sample` call
 and drawn N times per row. Every row gets exact checks (greedy rows are the argmax, invalid rows -1, no draw
 outside the oracle's support) and, when its support has two or more tokens, a chi-square goodness of fit at the
-Bonferroni-corrected level. N comes from a power analysis (harness.sampling_stats), capped for costly cases.
+Bonferroni-corrected level. N comes from a power analysis (harness.sampling.stats), capped for costly cases.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
@@ -20,9 +20,11 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness import oracle, report
-from harness.sampling_cases import REAL_MODELS, Case, all_cases, describe
-from harness.sampling_stats import chi_square, detectable_tv, power_at, required_draws
+from harness import report
+from harness.sampling import oracle
+from harness.sampling.cases import REAL_MODELS, Case, all_cases, describe
+from harness.sampling.report import GridResult, RowResult, table_rows, write_report
+from harness.sampling.stats import chi_square, detectable_tv, power_at, required_draws
 
 # (logits [rows, vocab] on the device, args with one uniform per row) -> tokens [rows]
 SampleFn = Callable[[torch.Tensor, BatchSamplingArgs], torch.Tensor]
@@ -32,41 +34,6 @@ CHUNK_ELEMENTS = 1 << 24  # logits elements per sample call: 64 MiB of float32 (
 # draws x vocab per case: on 2 CPU cores ~5000 draws per row at 49152 tokens, ~950 at 262144; a GPU affords full power
 DEFAULT_MAX_COST = {"cpu": 2.5e8, "cuda": 1e11}
 GREEDY_ONLY_DRAWS = 2000  # cases without a random row only need enough draws to show they never stray
-
-
-@dataclass
-class RowResult:
-    case: str
-    row: int
-    params: str
-    kind: str  # sampled, greedy, single (support of one token), invalid, error (the sampler raised)
-    n: int
-    alpha: float
-    n_required: int | None = None  # draws the power analysis asks for; more than n where the cost cap binds
-    # the chi-square columns stay None for rows with one right answer (greedy, single-token support, invalid)
-    categories: int | None = None
-    pooled_mass: float | None = None  # oracle mass merged into the tail bin: shifts inside it are invisible
-    statistic: float | None = None
-    p_value: float | None = None
-    detectable_tv: float | None = None  # total variation detected with the target power (worst direction)
-    power_at_tv: float | None = None  # power at the target total variation (worst direction)
-    outside: int = 0  # draws the exact check rejects
-    passed: bool = True
-    note: str = ""
-
-
-@dataclass
-class GridResult:
-    rows: List[RowResult]
-    settings: Dict[str, float]
-    seconds: Dict[str, float]
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.rows)
-
-    def failed_cases(self) -> List[str]:
-        return sorted({r.case for r in self.rows if not r.passed})
 
 
 def make_batch(params: Sequence[SamplingParams]) -> Batch:
@@ -176,26 +143,7 @@ def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequ
     return GridResult(rows, settings, seconds)
 
 
-# ---------------------------------------------------------------------------------------------- report and CLI
-TABLE = ["case", "row", "params", "kind", "n", "n_required", "categories", "pooled_mass", "statistic", "p_value",
-         "alpha", "detectable_tv", "power_at_tv", "result"]
-
-
-def _table_rows(result: GridResult) -> List[Dict[str, object]]:
-    return [{**{k: "-" if v is None else v for k, v in asdict(r).items()},
-             "result": ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")} for r in result.rows]
-
-
-def write_report(result: GridResult, device: str, out: Path, wall: float) -> None:
-    from harness.sampling_report import markdown
-
-    prov = report.provenance(device)
-    report.write_json(out / "sampling.json", {"provenance": prov, "settings": result.settings,
-                                              "passed": result.passed, "seconds": result.seconds, "wall_s": wall,
-                                              "rows": [asdict(r) for r in result.rows]})
-    (out / "sampling.md").write_text(markdown(result, _table_rows(result), TABLE, prov, wall))
-
-
+# --------------------------------------------------------------------------------------------------------- CLI
 def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
             real_models: Sequence[str] = REAL_MODELS, update: bool = False) -> int:
     """Run the grid, write the report (under `out`, else the report root: the committed reports/ only when
@@ -205,8 +153,8 @@ def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cos
     wall = time.perf_counter() - start
     out = out or report.report_root(update) / "sampling" / device.split(":")[0]
     write_report(result, device, out, wall)
-    print(report.text_table(_table_rows(result), ["case", "row", "params", "n", "categories", "p_value",
-                                                  "detectable_tv", "power_at_tv", "result"]))
+    print(report.text_table(table_rows(result), ["case", "row", "params", "n", "categories", "p_value",
+                                                 "detectable_tv", "power_at_tv", "result"]))
     s = result.settings
     print(f"\n{s['tests']} chi-square tests at alpha {s['per_test_alpha']:.2e} each (family {s['family_alpha']}); "
           f"{wall:.0f} s")
@@ -220,23 +168,7 @@ def main_from_parity(update: bool = False) -> int:
     return run_cli("cpu", update=update)
 
 
-def _run(args: argparse.Namespace) -> int:
+def command(args: argparse.Namespace) -> int:
     models = [] if args.no_real else (args.real_model or list(REAL_MODELS))
     return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
                    args.update_reports)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sampling", help="the sampler's draws against a float64 oracle (chi-square, stated power)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--out", default=None, help="report folder (default build/reports/sampling/<device>)")
-    report.add_update_flag(where)
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
-    p.add_argument("--max-cost", type=float, default=None,
-                   help="cap on draws x vocab per case; binds only the cases on real logits "
-                        f"(default {DEFAULT_MAX_COST['cpu']:.1e} on cpu, {DEFAULT_MAX_COST['cuda']:.1e} on cuda)")
-    p.add_argument("--real-model", action="append", choices=list(REAL_MODELS),
-                   help=f"the models whose real logits make cases (default: {', '.join(REAL_MODELS)})")
-    p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
-    p.set_defaults(func=_run)

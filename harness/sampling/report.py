@@ -1,18 +1,54 @@
-"""The markdown report of `python -m harness sampling`: what was tested, how much power it had, what it found."""
+"""The report of `python -m harness sampling`: what was tested, how much power it had, what it found (markdown and
+JSON), and the results it is made of."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
 
 from harness import report
 
-if TYPE_CHECKING:
-    from harness.sampling import GridResult
+
+@dataclass
+class RowResult:
+    case: str
+    row: int
+    params: str
+    kind: str  # sampled, greedy, single (support of one token), invalid, error (the sampler raised)
+    n: int
+    alpha: float
+    n_required: int | None = None  # draws the power analysis asks for; more than n where the cost cap binds
+    # the chi-square columns stay None for rows with one right answer (greedy, single-token support, invalid)
+    categories: int | None = None
+    pooled_mass: float | None = None  # oracle mass merged into the tail bin: shifts inside it are invisible
+    statistic: float | None = None
+    p_value: float | None = None
+    detectable_tv: float | None = None  # total variation detected with the target power (worst direction)
+    power_at_tv: float | None = None  # power at the target total variation (worst direction)
+    outside: int = 0  # draws the exact check rejects
+    passed: bool = True
+    note: str = ""
+
+
+@dataclass
+class GridResult:
+    rows: List[RowResult]
+    settings: Dict[str, float]
+    seconds: Dict[str, float]
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def failed_cases(self) -> List[str]:
+        return sorted({r.case for r in self.rows if not r.passed})
+
 
 METHOD = """\
 ## Method
 
-- **Oracle** (`harness/oracle.py`): the filtered distribution in float64 with numpy, written from the
+- **Oracle** (`harness/sampling/oracle.py`): the filtered distribution in float64 with numpy, written from the
   specification and never calling `engine.sample`: temperature; top-k keeping every token whose probability is >=
   the k-th largest (ties with the k-th stay), renormalized; top-p keeping every token whose probability is >= that
   of the crossing token (the first, in descending order, at which the cumulative mass reaches p), so nothing
@@ -40,7 +76,7 @@ METHOD = """\
 """
 
 
-def _settings(result: "GridResult", wall: float) -> str:
+def _settings(result: GridResult, wall: float) -> str:
     s = result.settings
     capped = sorted({r.case for r in result.rows if r.n_required is not None and r.n < r.n_required})
     lines = [
@@ -57,7 +93,7 @@ def _settings(result: "GridResult", wall: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(result: "GridResult", table_rows: Sequence[Dict[str, Any]], columns: List[str],
+def markdown(result: GridResult, table_rows: Sequence[Dict[str, Any]], columns: List[str],
              prov: Dict[str, Any], wall: float) -> str:
     verdict = "PASS" if result.passed else f"FAIL ({', '.join(result.failed_cases())})"
     return "\n".join([
@@ -69,3 +105,20 @@ def markdown(result: "GridResult", table_rows: Sequence[Dict[str, Any]], columns
         "## Provenance\n",
         report.provenance_markdown(prov),
     ])
+
+
+TABLE = ["case", "row", "params", "kind", "n", "n_required", "categories", "pooled_mass", "statistic", "p_value",
+         "alpha", "detectable_tv", "power_at_tv", "result"]
+
+
+def table_rows(result: GridResult) -> List[Dict[str, object]]:
+    return [{**{k: "-" if v is None else v for k, v in asdict(r).items()},
+             "result": ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")} for r in result.rows]
+
+
+def write_report(result: GridResult, device: str, out: Path, wall: float) -> None:
+    prov = report.provenance(device)
+    report.write_json(out / "sampling.json", {"provenance": prov, "settings": result.settings,
+                                              "passed": result.passed, "seconds": result.seconds, "wall_s": wall,
+                                              "rows": [asdict(r) for r in result.rows]})
+    (out / "sampling.md").write_text(markdown(result, table_rows(result), TABLE, prov, wall))

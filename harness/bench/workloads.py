@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from engine.core import SamplingParams
-from harness.bench_limits import timed
+from harness.bench.limits import timed
 from harness.driver import Driver, StepRecord
 
 

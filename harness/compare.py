@@ -1,0 +1,33 @@
+"""One logprob row against a golden row: the measure parity applies to the engine and the golden applies to HF's own
+sdpa-vs-eager spread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PositionStat:
+    err: float  # max |engine - golden| logprob on the golden's top-K ids
+    kl: float
+    tv: float
+    argmax: int
+    top_ids: np.ndarray  # the engine's top-K ids
+    top_lp: np.ndarray  # and their log-probabilities
+
+
+
+def compare_row(engine_lp: torch.Tensor, ids: np.ndarray, ref_lp: np.ndarray) -> PositionStat:
+    """engine_lp [vocab] float32 log-probabilities against the golden's top-K row."""
+    e = engine_lp[torch.from_numpy(ids.astype(np.int64))].double().numpy()
+    r = ref_lp.astype(np.float64)
+    p, q = np.exp(r), np.exp(e)
+    p_rest, q_rest = max(1.0 - p.sum(), 0.0), max(1.0 - q.sum(), 0.0)
+    kl = float(np.sum(p * (r - e)) + (p_rest * np.log(p_rest / q_rest) if p_rest > 1e-12 and q_rest > 0 else 0.0))
+    tv = 0.5 * float(np.abs(p - q).sum() + abs(p_rest - q_rest))
+    top = engine_lp.topk(len(ids))
+    return PositionStat(float(np.abs(e - r).max()), max(kl, 0.0), tv, int(top.indices[0]), top.indices.numpy(),
+                        top.values.numpy())

@@ -1,0 +1,30 @@
+"""python -m harness parity: the engine computes what HF computes. Along every path a request can take through the
+engine (paths), teacher-forced on the golden prompts, every position's log-probabilities are compared with HF's
+golden file; the gate (gate) holds them to tolerances scaled by HF's own sdpa-vs-eager spread; run drives the
+engine, report writes what it found."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from harness import golden as G
+    from harness import zoo
+    from harness.parity.gate import FLOOR
+    from harness.parity.paths import PATHS
+    from harness.parity.run import command
+    from harness.report import add_update_flag
+
+    p = sub.add_parser("parity", help="compare the engine with the golden files along every engine path")
+    p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(G.GOLDEN_MODELS)}")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", action="append", choices=list(FLOOR),
+                   help="default: float32 on cpu; bfloat16 and float32 on cuda")
+    p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on cpu, NCCL on cuda)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--no-report", action="store_true", help="print only; write no report files")
+    add_update_flag(where)
+    p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
+    p.set_defaults(func=command)

@@ -1,0 +1,179 @@
+"""Parity: the engine against the golden files, along every path the engine has.
+
+The measure, per position: err = max |engine - golden| log-probability on the golden's top-K ids, and KL(golden ||
+engine) on those ids plus one "rest" bucket (a lower bound of the full KL). HF's own spread is the same measure
+between HF's eager and sdpa attention on the golden's sequences, recorded in the golden's provenance.
+
+Every dtype: max err over a prompt <= tol = max(SPREAD_FACTOR x HF's largest err, FLOOR[dtype]). Two correct
+implementations differ by about HF's spread; a real bug (a rotary off by one, a wrong KV head) moves
+log-probabilities by 1e-1 or more.
+
+Half precision adds a distribution gate, per path over every compared position: the engine's mean and
+99th-percentile KL within SOURCES x HF's, its 99th-percentile err within sqrt(SOURCES) x HF's (each with a floor).
+The engine may differ from HF through SOURCES = 3 independent sources, each about as large as HF's own attention
+switch: its attention kernel, its fused ops' roundings, its merged GEMMs' accumulation order. Independent
+perturbations add in variance, so KL (quadratic in the logit perturbation) may grow SOURCES-fold and err (linear)
+sqrt(SOURCES)-fold. In bf16 HF's largest err is a tail token's (a logprob of -20 moves by a few nats), so the max
+alone admits bugs that shift every position a little; the percentiles and the mean do not.
+
+Near-tie rule: when the engine's argmax differs from the golden token, the divergence passes only if the golden's
+log-probability gap between the two tokens is <= tie_tol: 2 x tol in fp32 (both log-probabilities may move by tol),
+2 x sqrt(SOURCES) x HF's 99th-percentile err in half precision. Anything else fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import numpy as np
+
+from harness import golden as G
+from harness.compare import PositionStat
+from harness.parity.paths import ParityPath
+
+SPREAD_FACTOR = 4.0
+SOURCES = 3  # independent sources of difference from HF the half-precision gate allows, each HF's own size
+DIST_FACTOR = {"err_p99": SOURCES ** 0.5, "kl_mean": float(SOURCES), "kl_p99": float(SOURCES)}
+FLOOR = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+KL_FLOOR = {"bfloat16": 1e-5, "float16": 1e-6}  # the distribution gate's floor for HF spreads of ~0
+HALF = ("bfloat16", "float16")
+
+
+@dataclass
+class PromptResult:
+    path: str
+    prompt: str
+    max_err_prefill: float = 0.0
+    max_err_decode: float = 0.0
+    max_kl: float = 0.0
+    max_tv: float = 0.0
+    compared_positions: int = 0
+    divergence: Dict[str, Any] | None = None  # first position where the tokens differ
+    passed: bool = True
+    reason: str = ""
+
+
+@dataclass
+class PathResult:
+    """A path's error distribution against the half-precision gate's limits (None: the gate does not apply)."""
+
+    path: str
+    positions: int
+    stats: Dict[str, float]  # err_p50, err_p90, err_p99, kl_mean, kl_p99 of the engine
+    limits: Dict[str, float] | None
+    passed: bool = True
+    reason: str = ""
+
+
+@dataclass
+class ParityResult:
+    model: str
+    device: str
+    dtype: str
+    tol: float
+    hf_spread: float
+    tie_tol: float = 0.0
+    hf_stats: Dict[str, Any] | None = None  # HF's own spread distribution (from the golden's provenance)
+    prompts: List[PromptResult] = field(default_factory=list)
+    paths: List[PathResult] = field(default_factory=list)
+    obtained: str = ""  # where the engine's result was written when parity failed
+    tp: int = 1
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.prompts) and all(p.passed for p in self.paths)
+
+
+def tolerance(gs: G.GoldenSet, dtype: str) -> float:
+    return max(SPREAD_FACTOR * gs.provenance["hf_spread_max_abs_logprob"], FLOOR[dtype])
+
+
+GATED = ("err_p99", "kl_mean", "kl_p99")  # what the half-precision distribution gate bounds
+
+
+def dist_limits(gs: G.GoldenSet, dtype: str) -> Dict[str, float] | None:
+    """The half-precision gate's limits from HF's spread distribution; None in fp32."""
+    if dtype not in HALF:
+        return None
+    stats = gs.provenance.get("hf_spread")
+    if not stats:
+        raise G.GoldenError(f"the {dtype} golden has no HF spread distribution in its provenance; measure it with: "
+                            f"python -m harness golden --refresh-spread --model {gs.provenance['model']} "
+                            f"--device {gs.provenance['device_type']} --dtype {dtype}")
+    floors = {"err_p99": FLOOR[dtype], "kl_mean": KL_FLOOR[dtype], "kl_p99": KL_FLOOR[dtype]}
+    return {k: max(DIST_FACTOR[k] * stats[k], floors[k]) for k in GATED}
+
+
+def tie_tolerance(tol: float, limits: Dict[str, float] | None) -> float:
+    """Twice what one log-probability may move: tol, or in half precision the gate's 99th-percentile err limit."""
+    return 2 * (tol if limits is None else limits["err_p99"])
+
+
+def path_stats(errs: List[float], kls: List[float]) -> Dict[str, float]:
+    summary = G.spread_summary(errs, kls)
+    return {k: summary[k] for k in ("err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99")}
+
+
+def check_path(name: str, errs: List[float], kls: List[float], limits: Dict[str, float] | None) -> PathResult:
+    res = PathResult(name, len(errs), path_stats(errs, kls) if errs else {}, limits)
+    if limits is not None and errs:
+        over = [f"{k} {res.stats[k]:.3g} > {limits[k]:.3g}" for k in GATED if res.stats[k] > limits[k]]
+        res.passed, res.reason = not over, "; ".join(over)
+    return res
+
+
+def golden_row(pg: G.PromptGolden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """The golden's top-K (ids, logprobs) for the distribution predicted at absolute position pos."""
+    n = len(pg.prompt_ids)
+    return (pg.prefill_ids[pos], pg.prefill_lp[pos]) if pos < n else (pg.decode_ids[pos - n + 1],
+                                                                       pg.decode_lp[pos - n + 1])
+
+
+def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat, tie_tol: float) -> Dict[str, Any]:
+    n = len(pg.prompt_ids)
+    ids, lp = pg.decode_ids[j], pg.decode_lp[j]
+    g = int(pg.tokens[j])
+    in_golden = np.nonzero(ids == engine_tok)[0]
+    gap = float(lp[ids == g][0] - lp[in_golden[0]]) if len(in_golden) and (ids == g).any() else None
+    in_engine = np.nonzero(stat.top_ids == g)[0]
+    return {"step": j, "position": n - 1 + j, "golden_token": g, "engine_token": engine_tok,
+            "golden_logprob_gap": gap, "near_tie": gap is not None and abs(gap) <= tie_tol,
+            "engine_token_rank_in_golden": int(in_golden[0]) if len(in_golden) else None,
+            "golden_token_rank_in_engine": int(in_engine[0]) if len(in_engine) else None}
+
+
+def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]],
+             outputs: List[List[int]], tol: float, tie_tol: float | None = None,
+             limits: Dict[str, float] | None = None) -> tuple[List[PromptResult], PathResult]:
+    """Per prompt: every position's error against tol, and the first divergence; per path: the distribution gate."""
+    tie_tol = 2 * tol if tie_tol is None else tie_tol
+    results, errs, kls = [], [], []
+    for uid, pg in enumerate(gs.prompts):
+        res = PromptResult(path.name, pg.name)
+        n = len(pg.prompt_ids)
+        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax for j in range(len(pg.tokens))]
+        div_step = next((j for j, (a, b) in enumerate(zip(tokens, pg.tokens)) if a != int(b)), None)
+        # free-running: positions after a divergence see other inputs than the golden's and are not compared
+        last = n - 1 + (len(pg.tokens) - 1 if path.forced or div_step is None else div_step)
+        for pos, st in stats[uid].items():
+            if pos > last:
+                continue
+            res.compared_positions += 1
+            errs.append(st.err)
+            kls.append(st.kl)
+            if pos < n - 1:
+                res.max_err_prefill = max(res.max_err_prefill, st.err)
+            else:
+                res.max_err_decode = max(res.max_err_decode, st.err)
+            res.max_kl, res.max_tv = max(res.max_kl, st.kl), max(res.max_tv, st.tv)
+        if res.compared_positions != last + 1:
+            res.passed, res.reason = False, f"only {res.compared_positions} of {last + 1} positions were produced"
+        elif max(res.max_err_prefill, res.max_err_decode) > tol:
+            res.passed, res.reason = False, f"logprob error {max(res.max_err_prefill, res.max_err_decode):.3g} > tol"
+        if div_step is not None:
+            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][n - 1 + div_step], tie_tol)
+            if not res.divergence["near_tie"] and res.passed:
+                res.passed, res.reason = False, f"token differs at step {div_step} and it is not a near tie"
+        results.append(res)
+    return results, check_path(path.name, errs, kls, limits)

@@ -1,0 +1,175 @@
+"""Running parity: each path's engine and driver on the golden prompts, every position compared with the golden."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from engine import Engine, EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness import golden as G
+from harness import zoo
+from harness.compare import PositionStat, compare_row
+from harness.driver import Driver
+from harness.parity.gate import ParityResult, dist_limits, evaluate, golden_row, tie_tolerance, tolerance
+from harness.parity.paths import PATHS, ParityPath
+from harness.parity.report import write_report
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class _PathPlan:
+    """What one path runs: the engine's config and, per group of prompts run together, the driver's arguments."""
+
+    engine_kwargs: Dict[str, Any]
+    params: SamplingParams
+    groups: List[List[int]]
+    prompts: List[List[int]]
+    args: List[Dict[str, Any]]  # per group: forced, prefix_lens
+    max_prefill_tokens: int
+
+
+def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _PathPlan:
+    longest = max(len(p.prompt_ids) + len(p.tokens) for p in gs.prompts)
+    kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
+              max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
+              max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
+              ops_backend=path.ops_backend)
+    prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
+    forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
+    groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
+    args = [dict(forced=None if forced is None else [forced[i] for i in group],
+                 prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None) for group in groups]
+    return _PathPlan(kw, SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True), groups, prompts,
+                     args, path.max_prefill_tokens)
+
+
+class _Recorder:
+    """Per prompt, the PositionStat of every position the engine produced, and the sampled tokens."""
+
+    def __init__(self, gs: G.GoldenSet) -> None:
+        self.gs = gs
+        self.stats: Dict[int, Dict[int, PositionStat]] = {uid: {} for uid in range(len(gs.prompts))}
+        self.outputs: List[List[int]] = []
+
+    def __call__(self, uid: int, start: int, lp: torch.Tensor) -> None:
+        lp = lp.cpu()
+        for i in range(lp.shape[0]):
+            self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
+
+
+def path_engine(plan: _PathPlan, model: str) -> Engine:
+    """A new engine configured for the path."""
+    return Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), **plan.engine_kwargs))
+
+
+def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
+    """The path's prompts through the driver on a built engine: per prompt, the PositionStat of every position,
+    and the sampled tokens."""
+    rec = _Recorder(gs)
+    for group, args in zip(plan.groups, plan.args):
+        res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
+            [plan.prompts[i] for i in group], plan.params,
+            on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp), **args)
+        rec.outputs += [r.output_ids for r in res]
+    return rec.stats, rec.outputs
+
+
+def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
+    """Run the engine along one path: per prompt, the PositionStat of every position, and the sampled tokens."""
+    plan = plan_path(path, device, dtype, gs)
+    engine = path_engine(plan, model)
+    try:
+        return drive_path(engine, plan, gs)
+    finally:
+        engine.shutdown()
+
+
+def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, gs: G.GoldenSet,
+                 tp: int) -> Dict[str, tuple]:
+    """Every path on tp ranks (processes, harness.tp) in one launch, an engine per path and group; rank 0's logits
+    are compared. path name -> (stats, outputs) as run_path gives them."""
+    from harness.tp import TPRun, tp_generate_many
+
+    runs, owners = [], []
+    for path in paths:
+        plan = plan_path(path, device, dtype, gs)
+        for group, args in zip(plan.groups, plan.args):
+            runs.append(TPRun(str(zoo.path(model)), [plan.prompts[i] for i in group], plan.params,
+                              engine_kwargs=plan.engine_kwargs, record_logits=True,
+                              driver_kwargs={"max_prefill_tokens": plan.max_prefill_tokens}, **args))
+            owners.append((path.name, group))
+    recorders = {path.name: _Recorder(gs) for path in paths}
+    for (name, group), out in zip(owners, tp_generate_many(runs, tp)):
+        for uid, logits in out.logits.items():
+            recorders[name](group[0] + uid, 0, torch.log_softmax(logits, dim=-1))
+        recorders[name].outputs += [r.output_ids for r in out.results]
+    return {name: (rec.stats, rec.outputs) for name, rec in recorders.items()}
+
+
+def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], outputs: List[List[int]],
+                 path: ParityPath) -> G.GoldenSet:
+    """The engine's result in the golden's own format, to diff against it."""
+    prompts = []
+    for uid, pg in enumerate(gs.prompts):
+        n, t = len(pg.prompt_ids), len(pg.tokens)
+        rows = [stats[uid].get(pos) for pos in range(n + t - 1)]
+        k = pg.prefill_ids.shape[1]
+        ids = np.stack([r.top_ids if r else np.full(k, -1) for r in rows]).astype(np.int32)
+        lp = np.stack([r.top_lp if r else np.full(k, np.nan) for r in rows]).astype(np.float32)
+        tokens = outputs[uid] if not path.forced else [r.argmax if r else -1 for r in rows[n - 1:]]
+        prompts.append(G.PromptGolden(pg.name, pg.prompt_ids, np.array(tokens, dtype=np.int32), ids[:n], lp[:n],
+                                      ids[n - 1:], lp[n - 1:]))
+    return G.GoldenSet(prompts, dict(gs.provenance, obtained_from=f"engine, parity path {path.name}"))
+
+
+def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
+               golden_root: Path = G.GOLDEN_DIR, tp: int = 1) -> ParityResult:
+    """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
+    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
+    tol, limits = tolerance(gs, dtype), dist_limits(gs, dtype)
+    result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"],
+                          tie_tolerance(tol, limits), gs.provenance.get("hf_spread"), tp=tp)
+    folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
+    chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device)]
+    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
+    for path in chosen:
+        logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
+        stats, outputs = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
+        was_passing = result.passed
+        prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits)
+        result.prompts += prompts
+        result.paths.append(path_result)
+        if was_passing and not result.passed:
+            G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
+            result.obtained = str(folder / "golden.obtained.npz")
+    return result
+
+
+def command(args: argparse.Namespace) -> int:
+    models = args.model or list(G.GOLDEN_MODELS)
+    dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
+    failed = False
+    for model in models:
+        for dtype in dtypes:
+            try:
+                result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
+            except G.GoldenError as e:
+                print(f"REFUSED {model} {args.device} {dtype}: {e}", file=sys.stderr)
+                failed = True
+                continue
+            print(write_report(result, write_files=not args.no_report, update=args.update_reports))
+            failed |= not result.passed
+    if not args.no_sampling and args.device == "cpu":
+        from harness.sampling.run import main_from_parity
+
+        failed |= main_from_parity(update=args.update_reports) != 0
+    return 1 if failed else 0

@@ -1,0 +1,27 @@
+"""python -m harness sampling: the sampler draws from the distribution the spec defines. Each case's rows (cases)
+are drawn many times and held against a float64 oracle of the filtered distribution (oracle): exact checks on
+every draw and a chi-square test per row with a stated power (stats); run draws, report writes what it found."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from harness import report
+    from harness.sampling.cases import REAL_MODELS
+    from harness.sampling.run import DEFAULT_MAX_COST, command
+
+    p = sub.add_parser("sampling", help="the sampler's draws against a float64 oracle (chi-square, stated power)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="report folder (default build/reports/sampling/<device>)")
+    report.add_update_flag(where)
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--max-cost", type=float, default=None,
+                   help="cap on draws x vocab per case; binds only the cases on real logits "
+                        f"(default {DEFAULT_MAX_COST['cpu']:.1e} on cpu, {DEFAULT_MAX_COST['cuda']:.1e} on cuda)")
+    p.add_argument("--real-model", action="append", choices=list(REAL_MODELS),
+                   help=f"the models whose real logits make cases (default: {', '.join(REAL_MODELS)})")
+    p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
+    p.set_defaults(func=command)
