@@ -6,12 +6,25 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Callable, List
+import traceback
+from typing import Callable, List, NoReturn
+
+from harness import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown verb, model or flag) in the same one line as the verbs' errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
 def _models(args: argparse.Namespace) -> int:
     from harness import zoo
 
+    unknown = [n for n in args.names if n not in zoo.MODELS]
+    if unknown:
+        raise UserError(f"unknown model {unknown[0]!r}; choose one of: {', '.join(zoo.MODELS)}")
     if args.action == "list":
         for name in zoo.MODELS:
             print(f"{name:20s} {'prepared' if zoo.is_prepared(name) else 'not prepared':13s} {zoo.zoo_dir() / name}")
@@ -24,8 +37,8 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = _Parser(prog="python -m harness", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors keep their traceback")
     sub = parser.add_subparsers(dest="verb", required=True)
 
     p = sub.add_parser("models", help="prepare, locate or list the zoo's models")
@@ -53,11 +66,27 @@ def _verbs() -> List[Callable[[argparse._SubParsersAction], None]]:
     return [importlib.import_module(name).register for name in VERBS]
 
 
+def one_line(message: str) -> str:
+    """A message of several lines (a list after a colon, a remedy after it) as one line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return "".join(line if i == 0 else (" " if lines[i - 1].endswith(":") else "; ") + line
+                   for i, line in enumerate(lines))
+
+
 def main(argv: List[str] | None = None) -> int:
+    """Run one verb. What the user asked for and this machine cannot do (a UserError, a golden refused: GoldenError
+    is one) ends in one line on stderr and exit status 2; any other exception is an internal error and keeps its
+    traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from harness import zoo
+from harness import UserError, check_device, zoo
 from harness.compare import compare_row
 from harness.report import provenance
 
@@ -38,7 +38,7 @@ GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied", "tiny-gemma3
 IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
 
 
-class GoldenError(Exception):
+class GoldenError(UserError):
     """A golden file that is missing, corrupt, or made for something else."""
 
 
@@ -270,8 +270,11 @@ def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    check_device(args.device)
     dtype = getattr(torch, args.dtype)
     models = args.model or list(GOLDEN_MODELS)
+    # the committed goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
+    committed = {m: load_checked(m, args.device, args.dtype) for m in models if args.check or args.refresh_spread}
     status = 0
     for model in models:
         folder = golden_dir(model, args.device, args.dtype)
@@ -283,10 +286,9 @@ def _cmd(args: argparse.Namespace) -> int:
             continue
         fresh = make_golden(model, args.device, dtype)
         if args.check:
-            committed = load_checked(model, args.device, args.dtype)
-            d = drift(committed, fresh)
+            d = drift(committed[model], fresh)
             ok = d["token_mismatches"] == 0 and d["max_abs_top1_logprob_diff"] <= \
-                4 * committed.provenance["hf_spread_max_abs_logprob"]
+                4 * committed[model].provenance["hf_spread_max_abs_logprob"]
             print(f"{model}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
             status |= 0 if ok else 1
         else:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
-from harness import zoo
+from harness import check_device, zoo
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
 from harness.bench.profile import bound, host_parts, profile_replay
 from harness.bench.report import write_bench_report
@@ -173,6 +173,7 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
 
 def command(args: argparse.Namespace) -> int:
     device = args.device
+    check_device(device, flashinfer=device.startswith("cuda"))  # on CUDA the engine's numbers are FlashInfer's
     models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
     result = run_bench(device, models, with_hf=not args.no_hf)
     print(write_bench_report(result, update=args.update_reports))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List
@@ -15,8 +14,8 @@ import torch
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
+from harness import UserError, check_device, zoo
 from harness import golden as G
-from harness import zoo
 from harness.compare import PositionStat, compare_row
 from harness.driver import Driver
 from harness.parity.gate import ParityResult, dist_limits, evaluate, golden_row, tie_tolerance, tolerance
@@ -154,18 +153,28 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     return result
 
 
+def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> None:
+    """What the user asked for, before any engine runs: the device, the ranks, a golden for every model and dtype."""
+    cuda = args.device.startswith("cuda")
+    check_device(args.device, flashinfer=cuda)
+    if args.tp < 1:
+        raise UserError(f"--tp {args.tp}: a run has at least one rank; give --tp 1 or more")
+    if cuda and args.tp > torch.cuda.device_count():
+        raise UserError(f"--tp {args.tp}: each rank needs a GPU and this machine has {torch.cuda.device_count()}; "
+                        f"give --tp {torch.cuda.device_count()} or fewer")
+    for model in models:
+        for dtype in dtypes:
+            G.load_checked(model, args.device.split(":")[0], dtype)
+
+
 def command(args: argparse.Namespace) -> int:
     models = args.model or list(G.GOLDEN_MODELS)
     dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
+    _check(args, models, dtypes)
     failed = False
     for model in models:
         for dtype in dtypes:
-            try:
-                result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
-            except G.GoldenError as e:
-                print(f"REFUSED {model} {args.device} {dtype}: {e}", file=sys.stderr)
-                failed = True
-                continue
+            result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
     if not args.no_sampling and args.device == "cpu":

@@ -20,7 +20,7 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness import report
+from harness import check_device, report
 from harness.sampling import oracle
 from harness.sampling.cases import REAL_MODELS, Case, all_cases, describe
 from harness.sampling.report import GridResult, RowResult, table_rows, write_report
@@ -169,6 +169,7 @@ def main_from_parity(update: bool = False) -> int:
 
 
 def command(args: argparse.Namespace) -> int:
+    check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
     models = [] if args.no_real else (args.real_model or list(REAL_MODELS))
     return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
                    args.update_reports)
