@@ -41,6 +41,30 @@ Phase = Literal["prefill", "decode"]
 
 
 @dataclass
+class LiveRequest:
+    """A request that holds a slot and pages, as a step hook sees it."""
+
+    uid: int
+    row: int  # its page-table row
+    pages: List[int]
+    written: int  # positions [0, written) have K/V in its pages once the launched forwards complete
+
+
+@dataclass
+class StepView:
+    """A forward just launched (its writes land once the device catches up) and every request holding pages."""
+
+    phase: Phase
+    batch: Batch
+    spans: List[Tuple[int, int, int]]  # (uid, first position, tokens) the forward feeds, and writes K/V for
+    live: List[LiveRequest]
+    free_pages: List[int]
+
+
+StepHook = Callable[[StepView], None]
+
+
+@dataclass
 class StepRecord:
     """One forward as the driver saw it. Host seconds by part; `seconds` is the step's period: from its launch to
     the next step's launch (or to the end of the run), which with overlap is the rate steps complete at."""
@@ -112,8 +136,11 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
 
 
 class Driver:
-    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True) -> None:
+    def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True,
+                 prompt_logits: bool = True) -> None:
+        """prompt_logits: on_logits gets every prompt position (False: each prompt's last only, one LM-head row)."""
         self.engine = engine
+        self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.overlap = overlap
         self.page_size = engine.config.page_size
@@ -127,12 +154,14 @@ class Driver:
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  eos_ids: Sequence[int] = (), forced: Sequence[Sequence[int]] | None = None,
-                 prefix_lens: Sequence[int] | None = None, on_logits: LogitsHook | None = None) -> List[GenResult]:
+                 prefix_lens: Sequence[int] | None = None, on_logits: LogitsHook | None = None,
+                 on_step: StepHook | None = None) -> List[GenResult]:
         """Run every prompt to completion; results in prompt order.
 
         forced: feed these tokens instead of the sampled ones (teacher forcing); each request then makes
         len(forced[i]) steps. prefix_lens: prefill that many prompt tokens first, then the rest as an extend over
-        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position.
+        the cached prefix. on_logits: receives log-probabilities at every prefill and decode position. on_step: called
+        after every launch, to check the pool and the pages between steps.
         """
         n = len(prompts)
         plist = list(params) if isinstance(params, Sequence) else [params] * n
@@ -152,6 +181,10 @@ class Driver:
             steps = self._schedule(waiting, running, on_logits)
             for step in steps:
                 self._launch(step)
+                if on_step is not None:
+                    on_step(StepView(step.phase, step.batch, step.spans, [
+                        LiveRequest(r.req.uid, r.req.table_idx, r.pages, r.req.cached_len) for r in running],
+                        list(self.pages.free_pages)))
             if self.overlap:
                 for step in pending:
                     self._process(step, eos, results, on_logits)
@@ -246,7 +279,7 @@ class Driver:
         spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
         record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0)
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
-                      ("all" if phase == "prefill" else "last"))
+                      ("all" if phase == "prefill" and self.prompt_logits else "last"))
         self.engine.graph_runner.pad_batch(batch)
         if phase == "decode":
             self._decode_inputs(batch)
@@ -321,11 +354,13 @@ class Driver:
         if on_logits is not None:
             logprobs = torch.log_softmax(step.out.logits, dim=-1)
             stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
+            every = step.batch.return_logits == "all"
             offset = 0
             for uid, start, rows in step.spans:  # positions [cached_len, device_len) as they were before the forward
+                n = rows if every else 1  # "last": one row per request, its last position's
                 if uid not in stopped:
-                    on_logits(uid, start, logprobs[offset: offset + rows])
-                offset += rows
+                    on_logits(uid, start + rows - n, logprobs[offset: offset + n])
+                offset += n
         tokens = step.out.next_tokens_cpu.tolist()
         for r, tok in zip(step.members, tokens):
             if r.result.finish_reason:  # stopped at EOS a step ago: this was the wasted slot-step

@@ -98,3 +98,24 @@ def test_python_dash_m_harness_prints_the_line():
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().startswith("error: --device") and "\n" not in out.stderr.strip(), out.stderr
+
+
+def test_fuzz_on_a_missing_gpu(capsys):
+    assert main(["fuzz", "--device", NO_SUCH_GPU]) == 2
+    one_error_line(capsys, f"--device {NO_SUCH_GPU}")
+
+
+def test_fuzz_without_a_golden_is_refused_before_it_runs(capsys):
+    assert main(["fuzz", "--dtype", "float16"]) == 2
+    one_error_line(capsys, "no golden for tiny-qwen3 on cpu in float16", "python -m harness golden")
+
+
+def test_fuzz_plants_a_cuda_fault_only_on_cuda(capsys):
+    assert main(["fuzz", "--plant", "graph-plan-keyed-on-rows"]) == 2
+    one_error_line(capsys, "--plant graph-plan-keyed-on-rows", "use --device cuda")
+
+
+def test_fuzz_replay_of_a_file_that_is_no_case(capsys, tmp_path):
+    (tmp_path / "case.json").write_text("{}")
+    assert main(["fuzz", "--replay", str(tmp_path / "case.json")]) == 2
+    one_error_line(capsys, "is not a fuzz case", "give the JSON file")

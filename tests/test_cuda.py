@@ -109,6 +109,48 @@ def test_graph_replay_equals_eager(model, bs):
     assert diff == 0.0
 
 
+# Issue 16: A (9 tokens, 30 new), C (7, 3), D (8, 20) in 2 slots with pages of 4: C finishes and D takes its row at
+# C's page count, so a graph plan kept for (batch size, rows, page counts) would decode D over C's freed pages.
+SLOT_REUSE = [(list(range(11, 20)), 30), (list(range(31, 38)), 3), (list(range(51, 59)), 20)]
+
+
+def _slot_reuse_run(**kw) -> tuple:
+    eng = make(max_running_req=2, page_size=4, **kw)
+    seen = {}
+
+    def hook(uid: int, pos: int, lp: torch.Tensor) -> None:
+        seen.update({(uid, pos + i): lp[i].cpu() for i in range(lp.shape[0])})
+
+    res = Driver(eng).generate([p for p, _ in SLOT_REUSE],
+                               [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in SLOT_REUSE], on_logits=hook)
+    assert eng.graph_runner.graphs or kw.get("cuda_graph_max_bs") == 0
+    eng.shutdown()
+    return [r.output_ids for r in res], seen
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reused_slot_decodes_over_its_own_pages():
+    """Graphs against the eager path (the same kernels): the same tokens and bitwise the same logits, D included."""
+    eager_tokens, eager_logits = _slot_reuse_run(cuda_graph_max_bs=0)
+    tokens, logits = _slot_reuse_run()
+    assert tokens == eager_tokens
+    assert _bitwise_equal(logits, eager_logits)
+
+
+def test_the_old_plan_keying_fails_the_slot_reuse_case():
+    """The planted fault restores the keying the fix replaced: D's logits then leave the eager path's."""
+    from harness.fuzz.faults import planted
+
+    _, eager_logits = _slot_reuse_run(cuda_graph_max_bs=0)
+    with planted("graph-plan-keyed-on-rows"):
+        _, logits = _slot_reuse_run()
+    d = [k for k in eager_logits if k[0] == 2]
+    assert not all(torch.equal(logits[k], eager_logits[k]) for k in d)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_padded_rows_write_only_the_dummy_page_in_every_step(overlap):
     """A continuous run where requests finish and new ones take their slots, decode batches padded to captured

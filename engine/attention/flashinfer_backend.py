@@ -8,8 +8,10 @@ key and window - 1 before it); the kernel never reads a page outside the window,
 The page lists are built on the device from the page table (a gather, no per-request Python and no host tensor that
 grows with the context); the host sends O(batch) integers a step. K and V are written by one kernel per layer
 (append_paged_kv_cache) at each token's position in its request's page list. Planning happens once per batch, in
-prepare_metadata, and a CUDA-graph decode whose requests and page counts did not change since its last plan keeps
-that plan (the plain decode kernel's schedule depends on page counts only).
+prepare_metadata. A CUDA-graph decode refills its static page buffers every step and keeps only its schedule while the
+batch size and page counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
+reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
+static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class _PageLists:
     kv_indptr: torch.Tensor  # [bs + 1] int32, pinned host, in pages
     last_page_len: torch.Tensor  # [bs] int32, pinned host
     kv_indices: torch.Tensor  # [total pages] int32, device: page ids
-    key: tuple  # what a graph decode plan depends on
+    schedule: tuple  # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -65,7 +67,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores) for w in self.windows}
         self.graph_wrappers: Dict[int, Dict[int, Any]] = {}  # padded bs -> window_left -> wrapper
-        self.graph_plan: tuple | None = None  # what the shared static buffers and that size's plan hold now
+        self.graph_plan: tuple | None = None  # the schedule the last graph plan was made for
         self.graph_indptr = self.graph_indices = self.graph_last_page_len = self.graph_batch_indices = None
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
@@ -93,8 +95,7 @@ class FlashInferBackend(AttentionBackend):
         slots = ctx.page_table[rows_d[owner], page_col]
         indices = slots if ps == 1 else torch.div(slots, ps, rounding_mode="floor")
         lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(),
-                          (n, tuple(rows.tolist()), tuple(lens.tolist())))
+        return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(), (n, tuple(lens.tolist())))
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -140,16 +141,17 @@ class FlashInferBackend(AttentionBackend):
                                   batch_indices=batch_indices)
 
     def _plan_graph(self, bs: int, wrappers: Dict[int, Any], lists: _PageLists) -> None:
-        """Fill the graph's static buffers on the device and plan, unless the last plan still holds."""
+        """Fill the graph's static buffers with this batch's pages (every step: a row's next request has other
+        pages), then plan, unless the last plan's schedule still holds for these page counts."""
         from flashinfer.decode import fast_decode_plan
 
-        self.graph_last_page_len[:bs].copy_(lists.last_page_len, non_blocking=True)
-        if self.graph_plan == lists.key:
-            return  # same requests, same page counts (same lengths with tensor cores): same pages, same schedule
-        self.graph_plan = lists.key
         total = len(lists.kv_indices)
         self.graph_indptr[: bs + 1].copy_(lists.kv_indptr, non_blocking=True)
         self.graph_indices[:total].copy_(lists.kv_indices)
+        self.graph_last_page_len[:bs].copy_(lists.last_page_len, non_blocking=True)
+        if self.graph_plan == lists.schedule:
+            return
+        self.graph_plan = lists.schedule
         for w, wrapper in wrappers.items():
             fast_decode_plan(wrapper, self.graph_indptr[: bs + 1], self.graph_indices[:total],
                              lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,

@@ -1,0 +1,120 @@
+"""`python -m harness fuzz`: search for the budget, or replay one case; a summary under build/reports/fuzz/."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.fuzz.case import Case
+from harness.fuzz.faults import planted
+
+if TYPE_CHECKING:  # hypothesis, which the search needs, is imported only when the verb runs
+    from harness.fuzz.invariants import Evaluator
+
+DEFAULT_BUDGET = {"cpu": 60.0, "cuda": 120.0}
+
+
+def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" = None) -> tuple:
+    """Run the case in path again, every invariant (with the planted fault named, if any): (case, failure or None)."""
+    from harness.fuzz.invariants import Evaluator
+
+    case = Case.read(path)
+    own = evaluator is None
+    evaluator = evaluator or Evaluator(case.model, case.device)
+    try:
+        with planted(plant):
+            return case, evaluator.evaluate(case.config, case.workload)
+    finally:
+        if own:
+            evaluator.close()
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from harness.fuzz.report import failure_text
+
+    case = Case.read(args.replay)
+    if case.planted and case.planted != args.plant:
+        print(f"note: this case was found with the planted fault {case.planted}; --plant {case.planted} plants it")
+    _, failure = replay(args.replay, args.plant)
+    print(f"recorded: {case.failure.invariant} in the {case.failure.stage} run" if case.failure else "recorded: pass")
+    if failure is None:
+        print(f"replay of {args.replay}: every invariant holds")
+        return 0
+    print(f"replay of {args.replay}: FAIL\n" + failure_text(Case(case.model, case.device, case.config, case.workload,
+                                                                  failure, args.plant, case.seed), None))
+    return 1
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from harness.fuzz import report
+    from harness.fuzz.search import FuzzOptions, fuzz
+    from harness.report import written_to
+
+    _check(args)
+    if args.replay:
+        return _replay(args)
+    budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
+    opts = FuzzOptions(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
+                       planted=args.plant)
+    start = time.monotonic()
+    with tqdm(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}",
+              disable=not sys.stderr.isatty()) as bar:
+        def tick(status: str) -> None:
+            bar.n = round(time.monotonic() - start)
+            bar.set_postfix_str(status)
+
+        with planted(args.plant):
+            result = fuzz(opts, tick=tick)
+    print(report.table(result))
+    print(report.summary(result))
+    print(written_to(report.write(result, args.update_reports), args.update_reports))
+    if result.case is not None:
+        print("\nthe minimal failing case:\n" + report.failure_text(result.case, result.case_path, result.first))
+        return 1
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What this machine cannot run is refused before any engine starts."""
+    from harness import UserError, check_device
+    from harness import golden as G
+    from harness.fuzz.faults import FAULTS
+    from harness.fuzz.strategies import dtypes
+
+    if args.replay:
+        case = Case.read(args.replay)
+        device, model, wanted = case.device, case.model, [case.config.dtype]
+    else:
+        device, model, wanted = args.device, args.model, dtypes(args.device, args.dtype)
+    kind = device.split(":")[0]
+    check_device(device, flashinfer=kind == "cuda")  # the CUDA run's engines are FlashInfer's
+    if args.plant and FAULTS[args.plant].device not in ("any", kind):
+        raise UserError(f"--plant {args.plant} lives where {device} has no code ({FAULTS[args.plant].description}); "
+                        f"use --device {FAULTS[args.plant].device}")
+    if args.budget is not None and args.budget <= 0:
+        raise UserError(f"--budget {args.budget}: give a positive number of seconds")
+    for dtype in wanted:
+        G.load_checked(model, kind, dtype)  # its tolerance is parity's: a missing golden is refused here
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from harness import zoo
+    from harness.fuzz.faults import FAULTS
+    from harness.report import add_update_flag
+
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--model", default="tiny-qwen3", choices=list(zoo.MODELS))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on cpu; bfloat16 and float32 drawn on cuda")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis's seed (the same seed draws the same cases)")
+    p.add_argument("--budget", type=float, help="seconds of search (default: 60 on cpu, 120 on cuda); shrinking a "
+                   "failure takes up to half as much again")
+    p.add_argument("--replay", type=Path, metavar="FILE", help="run the case a failing search wrote, and exit")
+    p.add_argument("--plant", choices=list(FAULTS), help="plant a known fault in this process's engine and driver")
+    add_update_flag(p)
+    p.set_defaults(func=_cmd)

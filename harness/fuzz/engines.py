@@ -1,0 +1,117 @@
+"""Engines for a fuzz run. One Engine may live in a process (the global context), so the engine under test lives in
+this process and the engines it is compared with (the reference, the eager twin of a graph engine) each in a spawned
+process of its own, driven over a pipe. Each is rebuilt only when a configuration asks for another."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from typing import Any, Dict
+
+import torch
+import torch.multiprocessing as mp
+
+from engine import Engine, EngineConfig
+from engine.distributed import DistributedInfo
+from harness import zoo
+
+WORKER_TIMEOUT = 900.0  # seconds one request to a worker may take (a reference run of a whole workload)
+
+
+class EngineHost:
+    """The one Engine of this process, kept while the configuration stays the same."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.kwargs: Dict[str, Any] | None = None
+        self.engine: Engine | None = None
+        self.builds = 0
+
+    def get(self, kwargs: Dict[str, Any]) -> Engine:
+        if self.engine is None or kwargs != self.kwargs:
+            self.close()
+            self.engine = Engine(EngineConfig(model_path=str(zoo.path(self.model)), tp_info=DistributedInfo(0, 1),
+                                              **kwargs))
+            self.kwargs = kwargs
+            self.builds += 1
+            # A fuzz forward is a few small ops: one thread beats a team that meets at every op (17x on a shared
+            # 2-core host), and every engine of a run uses the same count, so their CPU numerics are the same.
+            torch.set_num_threads(1)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine, self.kwargs = None, None
+
+
+class WorkerError(RuntimeError):
+    """A worker's engine raised, or the worker died: the message holds its traceback."""
+
+
+def _serve(conn: Any, model: str) -> None:
+    from harness.fuzz.runs import run_workload
+
+    host = EngineHost(model)
+    try:
+        while True:
+            cmd, payload = pickle.loads(conn.recv_bytes())
+            if cmd == "close":
+                return
+            try:
+                if cmd == "configure":
+                    host.get(payload)
+                    result: Any = None
+                else:
+                    result = run_workload(host.engine, payload)
+                conn.send_bytes(pickle.dumps((True, result)))
+            except Exception:
+                conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    finally:
+        host.close()
+
+
+class EngineWorker:
+    """An Engine in a spawned process: configure(kwargs) builds it (when they changed), run(spec) runs a workload
+    on it (harness.fuzz.runs.run_workload) and returns the RunOutput."""
+
+    def __init__(self, name: str, model: str) -> None:
+        self.name = name
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, model), daemon=True, name=f"fuzz-{name}")
+        self.proc.start()
+        child.close()
+        self.kwargs: Dict[str, Any] | None = None
+
+    def configure(self, kwargs: Dict[str, Any]) -> None:
+        if kwargs != self.kwargs:
+            self._call("configure", kwargs)
+            self.kwargs = kwargs
+
+    def run(self, spec: Any) -> Any:
+        return self._call("run", spec)
+
+    def _call(self, cmd: str, payload: Any) -> Any:
+        try:
+            self.conn.send_bytes(pickle.dumps((cmd, payload)))
+            if not self.conn.poll(WORKER_TIMEOUT):
+                raise WorkerError(f"the {self.name} engine did not answer {cmd} within {WORKER_TIMEOUT:.0f} s")
+            ok, result = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            raise WorkerError(f"the {self.name} engine's process died (exit code {self.proc.exitcode})") from e
+        if not ok:
+            raise WorkerError(f"the {self.name} engine raised:\n{result}")
+        return result
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(pickle.dumps(("close", None)))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()

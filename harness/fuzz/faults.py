@@ -1,0 +1,109 @@
+"""Planted faults: real bugs put back into the engine or the driver of this process while a context manager is open
+(`with planted(name):`, or `python -m harness fuzz --plant NAME`), to show that the fuzzer finds them. The engines
+the fuzzer compares with (the reference, the eager twin) run in processes of their own and stay correct.
+
+- graph-plan-keyed-on-rows (CUDA): the FlashInfer graph decode as it was before issue 16's fix: its plan and its
+  static page buffers are kept while (batch size, rows, page counts) repeat, so a row's next request, at the same
+  page count, decodes over the previous request's freed pages and appends its K/V there.
+- stale-token-on-reused-row: the overlap loop does not feed a prefill's sampled token back for a request that took
+  a row another request used before, so its first decode reads that row's old token.
+- pages-freed-twice-at-eos: a request that stops at EOS gives its pages back twice, so two later requests share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+from engine.attention.flashinfer_backend import FlashInferBackend
+from harness.driver import Driver
+
+
+def _page_lists_keyed_on_rows(original: Callable) -> Callable:
+    def page_lists(self: FlashInferBackend, batch: Any) -> Any:
+        lists = original(self, batch)
+        n, lens = lists.schedule
+        lists.schedule = (n, tuple(r.table_idx for r in batch.padded_reqs), lens)
+        return lists
+    return page_lists
+
+
+def _plan_graph_keeping_pages(original: Callable) -> Callable:
+    def plan_graph(self: FlashInferBackend, bs: int, wrappers: Dict[int, Any], lists: Any) -> None:
+        from flashinfer.decode import fast_decode_plan
+
+        self.graph_last_page_len[:bs].copy_(lists.last_page_len, non_blocking=True)
+        if self.graph_plan == lists.schedule:
+            return  # the fault: the page ids of the last plan stay in the static buffer
+        self.graph_plan = lists.schedule
+        total = len(lists.kv_indices)
+        self.graph_indptr[: bs + 1].copy_(lists.kv_indptr, non_blocking=True)
+        self.graph_indices[:total].copy_(lists.kv_indices)
+        for w, wrapper in wrappers.items():
+            fast_decode_plan(wrapper, self.graph_indptr[: bs + 1], self.graph_indices[:total],
+                             lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,
+                             **self._plan_args(w))
+    return plan_graph
+
+
+def _feed_back_skipping_reused_rows(original: Callable) -> Callable:
+    def feed_back(self: Driver, step: Any) -> None:
+        if not (self.overlap and step.phase == "prefill"):
+            return original(self, step)
+        used = self.__dict__.setdefault("_rows_used", set())
+        keep = [i for i, r in enumerate(step.members) if r.req.table_idx not in used]
+        used.update(r.req.table_idx for r in step.members)
+        if keep:
+            out = dataclasses.replace(step.out, next_tokens_gpu=step.out.next_tokens_gpu[keep])
+            original(self, dataclasses.replace(step, members=[step.members[i] for i in keep], out=out))
+    return feed_back
+
+
+def _release_twice_at_eos(original: Callable) -> Callable:
+    def release(self: Driver, r: Any) -> None:
+        original(self, r)
+        if r.result.finish_reason == "eos":
+            self.pages.free(r.pages)
+    return release
+
+
+@dataclass(frozen=True)
+class Fault:
+    description: str
+    device: str  # where it can show: cpu, cuda or any
+    patches: List[Tuple[type, str, Callable[[Callable], Callable]]]  # (class, method, wrapper of the original)
+
+
+FAULTS: Dict[str, Fault] = {
+    "graph-plan-keyed-on-rows": Fault(
+        "FlashInfer graph decode keeps its plan and static page buffers while (batch size, rows, page counts) "
+        "repeat (before issue 16's fix)", "cuda",
+        [(FlashInferBackend, "_page_lists", _page_lists_keyed_on_rows),
+         (FlashInferBackend, "_plan_graph", _plan_graph_keeping_pages)]),
+    "stale-token-on-reused-row": Fault(
+        "the overlap loop skips feeding back the prefill token of a request in a row used before", "any",
+        [(Driver, "_feed_back", _feed_back_skipping_reused_rows)]),
+    "pages-freed-twice-at-eos": Fault(
+        "a request that stops at EOS returns its pages twice", "any",
+        [(Driver, "_release", _release_twice_at_eos)]),
+}
+
+
+@contextmanager
+def planted(name: str | None) -> Iterator[None]:
+    """Plant the named fault (None: nothing) for the duration of the block; restored on exit, even on error."""
+    if name is None:
+        yield
+        return
+    if name not in FAULTS:
+        raise ValueError(f"unknown planted fault {name!r}; choose one of: {', '.join(FAULTS)}")
+    originals = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in FAULTS[name].patches]
+    try:
+        for (cls, attr, wrap), (_, _, original) in zip(FAULTS[name].patches, originals):
+            setattr(cls, attr, wrap(original))
+        yield
+    finally:
+        for cls, attr, original in originals:
+            setattr(cls, attr, original)

@@ -1,0 +1,88 @@
+"""Hypothesis strategies for engine configurations and workloads.
+
+Hypothesis shrinks toward the first value of each sampled_from and the low end of each range, and its first example
+is that simplest one, so the first value of each choice is the path users run: on CUDA bf16, FlashInfer, CUDA graphs,
+overlap; pages of 4 (page_size 1 changes every decode's page counts, so it hides what depends on pages); the
+smallest pool (requests wait for pages); no prefill budget to speak of.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+from hypothesis import strategies as st
+
+from harness.fuzz.case import MAX_NEW, MAX_PROMPT, MAX_REQUESTS, FuzzConfig, RequestSpec, Workload
+
+PAGE_SIZES = [4, 16, 1]
+POOL_TOKENS = [64, 128, 512]  # 64: one request of MAX_PROMPT + MAX_NEW tokens fills most of it
+PREFILL_BUDGETS = [4096, 16]  # 16: prompts are admitted a few at a time and prefills split
+TEMPERATURES = [1.0, 0.7, 1.5]
+TOP_KS = [2, 5, 50]
+TOP_PS = [0.9, 0.5, 0.2]
+MIN_PS = [0.05, 0.2]
+
+
+def dtypes(device: str, dtype: str | None = None) -> List[str]:
+    """The dtypes a run draws: the one asked for, else fp32 on a CPU, bf16 and fp32 on CUDA."""
+    return [dtype] if dtype else ["bfloat16", "float32"] if device.startswith("cuda") else ["float32"]
+
+
+@st.composite
+def configs(draw: Callable, device: str, dtype: str | None = None) -> FuzzConfig:
+    """On a CPU the torch backend is the only one and graphs do not exist; on CUDA FlashInfer (half precision
+    only) or torch attention, graphs on or off (FlashInfer only), bf16 or fp32."""
+    cuda = device.startswith("cuda")
+    dtype = draw(st.sampled_from(dtypes(device, dtype)))
+    half = dtype in ("bfloat16", "float16")
+    backend = draw(st.sampled_from(["flashinfer", "torch"])) if cuda and half else "torch"
+    graphs = draw(st.sampled_from([True, False])) if backend == "flashinfer" else False
+    return FuzzConfig(dtype=dtype, attention_backend=backend, graphs=graphs,
+                      slots=draw(st.integers(1, MAX_REQUESTS)), page_size=draw(st.sampled_from(PAGE_SIZES)),
+                      pool_tokens=draw(st.sampled_from(POOL_TOKENS)),
+                      max_prefill_tokens=draw(st.sampled_from(PREFILL_BUDGETS)),
+                      overlap=draw(st.sampled_from([True, False])))
+
+
+@st.composite
+def _sampling(draw: Callable) -> dict:
+    """greedy, or temperature with any mix of top-k, top-p and min_p; a seed of its own or the engine's stream."""
+    kind = draw(st.sampled_from(["greedy", "temperature", "top_k", "top_p", "min_p", "all"]))
+    if kind == "greedy":
+        return {}
+    out = dict(temperature=draw(st.sampled_from(TEMPERATURES)))
+    if kind in ("top_k", "all"):
+        out["top_k"] = draw(st.sampled_from(TOP_KS))
+    if kind in ("top_p", "all"):
+        out["top_p"] = draw(st.sampled_from(TOP_PS))
+    if kind in ("min_p", "all"):
+        out["min_p"] = draw(st.sampled_from(MIN_PS))
+    return out
+
+
+@st.composite
+def _request(draw: Callable, vocab: int) -> tuple:
+    """(shared, own tokens, the rest of a RequestSpec): the prompt opens with `shared` tokens of the previous
+    request's prompt (a shared prefix), then its own tokens."""
+    shared = draw(st.integers(0, MAX_PROMPT))
+    own = tuple(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=MAX_PROMPT)))
+    prefix = draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True)))  # as a fraction of the prompt
+    seed = draw(st.one_of(st.none(), st.integers(0, 2 ** 31 - 1)))
+    rest = dict(max_tokens=draw(st.integers(1, MAX_NEW)), seed=seed, ignore_eos=draw(st.booleans()),
+                **draw(_sampling()))
+    return shared, own, prefix, rest
+
+
+@st.composite
+def workloads(draw: Callable, vocab: int) -> Workload:
+    """1..MAX_REQUESTS requests in arrival order: prompts of 1..MAX_PROMPT tokens (across page boundaries at every
+    page size), 1..MAX_NEW new tokens, cached prefixes, EOS ids planted among the tokens the requests sample."""
+    raw = draw(st.lists(_request(vocab), min_size=1, max_size=MAX_REQUESTS))
+    requests: List[RequestSpec] = []
+    for shared, own, prefix, rest in raw:
+        previous = requests[-1].prompt if requests else ()
+        prompt = (previous[:shared] + own)[:MAX_PROMPT]
+        requests.append(RequestSpec(prompt=prompt, prefix_len=int(prefix * len(prompt)), **rest))
+    n = len(requests)
+    eos = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, MAX_NEW - 1)), max_size=3, unique=True))
+    return Workload(tuple(requests), tuple(eos))
