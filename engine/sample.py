@@ -15,6 +15,9 @@ No rule depends on the order of equal probabilities. FlashInfer's renorm kernels
 
 The draw is an inverse CDF at one uniform per row, and a row's uniform is a hash of (seed, request, position): a
 request's tokens depend on its seed and its own logits only, not on its batch-mates, its row or a device RNG.
+Every `sample` call on the same args is a new draw: the first reads the uniforms `prepare` laid out (what the
+request gets in any batch and either driver loop, which sample once per prepare), the d-th hashes (key, d), so a
+caller that samples twice from one args (best-of-n, a retry) gets independent tokens, the same ones in every run.
 A row whose logits contain NaN or have no finite maximum gets token -1 and the other rows are drawn as usual.
 """
 
@@ -40,6 +43,18 @@ class BatchSamplingArgs:
     min_p: torch.Tensor | None = None  # [bs] float32
     greedy: torch.Tensor | None = None  # [bs] bool: rows answered by the argmax; None = no greedy row
     uniforms: torch.Tensor | None = None  # [bs] float64 in [0, 1): where each row's inverse CDF is read
+    # [bs, 4] int64 on the host: each row's key; None = the caller's uniforms serve every draw (or a device RNG)
+    keys: np.ndarray | None = None
+    draws: int = 0  # sample calls made on these args so far
+
+    def next_uniforms(self, device: torch.device) -> torch.Tensor | None:
+        """The uniforms of this draw, counting it: draw 0 reads the prepared uniforms, draw d > 0 hashes (key, d)."""
+        if self.keys is not None and self.draws > 0:
+            column = np.full((len(self.keys), 1), self.draws, dtype=np.int64)
+            self.uniforms = make_device_tensor(row_uniforms(np.hstack([self.keys, column])).tolist(), torch.float64,
+                                               device)
+        self.draws += 1
+        return self.uniforms
 
 
 @dataclass
@@ -59,7 +74,7 @@ class Sampler:
         top_ps = [1.0 if p.is_greedy else min(max(p.top_p, MIN_P), 1.0) for p in params]
         min_ps = [0.0 if p.is_greedy else p.min_p for p in params]
         # the token sampled now lands at position device_len
-        keys = [self._key(p, r.uid, r.device_len) for p, r in zip(params, batch.reqs)]
+        keys = np.array([self._key(p, r.uid, r.device_len) for p, r in zip(params, batch.reqs)], dtype=np.int64)
 
         def tensor_if(values: list, unlimited: float, dtype: torch.dtype) -> torch.Tensor | None:
             return make_device_tensor(values, dtype, self.device) if any(v != unlimited for v in values) else None
@@ -70,8 +85,8 @@ class Sampler:
             top_p=tensor_if(top_ps, 1.0, torch.float32),
             min_p=tensor_if(min_ps, 0.0, torch.float32),
             greedy=tensor_if([p.is_greedy for p in params], False, torch.bool),
-            uniforms=make_device_tensor(row_uniforms(np.array(keys, dtype=np.int64)).tolist(), torch.float64,
-                                        self.device),
+            uniforms=make_device_tensor(row_uniforms(keys).tolist(), torch.float64, self.device),
+            keys=keys,
         )
 
     def _key(self, params: SamplingParams, uid: int, position: int) -> tuple[int, int, int, int]:
@@ -89,7 +104,7 @@ class Sampler:
         valid = torch.isfinite(logits.amax(dim=-1))
         logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
         impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
-        tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, args.uniforms)
+        tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, args.next_uniforms(self.device))
         if args.greedy is not None:
             tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
         return torch.where(valid, tokens, INVALID_TOKEN)

@@ -1,15 +1,15 @@
-"""Unit tests of engine.sample: the spec's example, prepare, greedy rows, seeds, bad input, and the oracle."""
+"""Unit tests of engine.sample: the spec's test, repeated draws, prepare, greedy rows, seeds, bad input, the oracle."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import List, Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from engine.core import SamplingParams
+from engine.core import Batch, Req, SamplingParams
 from engine.sample import Sampler, filtered_probs
 from harness.sampling.cases import small_cases
 from harness.sampling.oracle import filtered_distribution
@@ -27,16 +27,57 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams], reps: int, seed
 
 
 # ------------------------------------------------------------------------------------------ the spec's example
-def test_spec_example() -> None:
-    greedy = SamplingParams(temperature=0.0)
-    assert Sampler(CPU, 6).prepare(make_batch([greedy, greedy])).temperatures is None
-    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.5), greedy]
-    draws = draw(torch.tensor([SPEC_LOGITS] * 3), params, reps=2000)  # one call: the 3-row batch 2000 times
-    assert set(draws[:, 0].tolist()) <= {0, 1}
-    assert set(draws[:, 1].tolist()) == {0}  # 0.665 of the mass is already >= 0.5
-    assert set(draws[:, 2].tolist()) == {0}
-    p0 = math.exp(5) / (math.exp(5) + math.exp(4))
-    assert abs((draws[:, 0] == 0).float().mean().item() - p0) < 0.03
+def _batch(params: List[SamplingParams]) -> Batch:
+    """The spec's helper: one request per SamplingParams, built as its hand-driven example builds them."""
+    reqs = [Req(input_ids=torch.tensor([1, 2, 3], dtype=torch.int32), table_idx=row, cached_len=0, output_len=8,
+                uid=row, sampling_params=p, cache_handle=None) for row, p in enumerate(params)]
+    return Batch(reqs=reqs, phase="prefill")
+
+
+def test_sampler_greedy_and_filters():
+    """The spec's test as it writes it: 2000 sample calls on the same args are 2000 draws."""
+    sampler = Sampler(torch.device("cpu"), vocab_size=6)
+    assert sampler.prepare(_batch([SamplingParams(), SamplingParams()])).temperatures is None
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, 0.0, 0.0]] * 3)
+    args = sampler.prepare(_batch([SamplingParams(temperature=1.0, top_k=2),
+                                   SamplingParams(temperature=1.0, top_p=0.5),
+                                   SamplingParams()]))  # the third request is greedy
+    torch.manual_seed(0)
+    draws = torch.stack([sampler.sample(logits, args) for _ in range(2000)])
+    assert set(draws[:, 0].tolist()) == {0, 1}  # top-k=2: only the top two are possible
+    assert set(draws[:, 1].tolist()) == {0}  # the top probability is about 0.67 > 0.5, so top-p keeps only it
+    assert set(draws[:, 2].tolist()) == {0}  # the greedy requests in a mixed batch
+    p0 = (draws[:, 0] == 0).float().mean().item()  # renormalized after top-k: e^5/(e^5+e^4) = 0.731
+    assert abs(p0 - 0.731) < 0.03
+
+
+def test_the_first_draw_is_the_keyed_one_and_later_draws_are_fresh() -> None:
+    """A request's token is what prepare's uniforms give, in any batch; further draws on the same args hash the
+    draw index in, so they differ from the first and from each other, and repeat from run to run."""
+    logits = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5]] * 64)
+    batch = make_batch([SamplingParams(1.0)] * 32 + [SamplingParams(1.0, seed=s) for s in range(32)])
+    sampler = Sampler(CPU, 6, seed=3)
+    args = sampler.prepare(batch)
+    first, second, third = (sampler.sample(logits, args) for _ in range(3))
+    again = sampler.prepare(batch)
+    assert torch.equal(sampler.sample(logits, again), first) and args.draws == 3
+    assert not torch.equal(first, second) and not torch.equal(second, third)
+    assert torch.equal(sampler.sample(logits, again), second)  # the d-th draw is a function of (key, d)
+
+
+def test_repeated_draws_on_one_args_are_independent() -> None:
+    """Pairs (draw d, draw d + 1), d even, of 64 rows against the product of the oracle's marginals."""
+    from harness.sampling.stats import chi_square
+
+    row = np.array([1.0, 0.4, 0.0, -0.3, -1.0, 0.7])
+    sampler = Sampler(CPU, 6)
+    args = sampler.prepare(make_batch([SamplingParams(1.0)] * 64))
+    logits = torch.from_numpy(row).float().repeat(64, 1)
+    draws = torch.stack([sampler.sample(logits, args) for _ in range(200)]).numpy()
+    p = filtered_distribution(row, 1.0).probs
+    pairs = (draws[0::2] * 6 + draws[1::2]).ravel()
+    assert chi_square(np.bincount(pairs, minlength=36), np.outer(p, p).ravel()).p_value > 1e-3
+    assert chi_square(np.bincount(draws.ravel(), minlength=6), p).p_value > 1e-3
 
 
 # ------------------------------------------------------------------------------------------ the oracle's numbers

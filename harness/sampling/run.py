@@ -44,9 +44,10 @@ def make_batch(params: Sequence[SamplingParams]) -> Batch:
 
 
 def _tile(args: BatchSamplingArgs, reps: int) -> BatchSamplingArgs:
-    """The args of the batch repeated reps times (row order: the whole batch, then the whole batch again...)."""
+    """The args of the batch repeated reps times (row order: the whole batch, then the whole batch again...),
+    without the rows' keys: the grid hands every draw its own uniforms."""
     return BatchSamplingArgs(**{f.name: None if (v := getattr(args, f.name)) is None else v.repeat(reps)
-                                for f in fields(args)})
+                                for f in fields(args) if f.name not in ("keys", "draws")})
 
 
 def draw(case: Case, n: int, device: torch.device, generator: torch.Generator,
