@@ -19,6 +19,7 @@ from engine.sample import Sampler
 from harness import report, zoo
 from harness.__main__ import main
 from harness.driver import Driver
+from harness.resolution.adapters import ComponentCheck, FuzzCheck
 from harness.resolution.checks import ParityCheck
 from harness.resolution.faults import FAMILIES, Family, lost_writes
 from harness.resolution.search import Verdict, find_threshold
@@ -49,12 +50,22 @@ def _same(a: Dict, b: Dict, keys=None) -> bool:
     return all(torch.equal(a[k], b[k]) for k in (keys or a))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The probes' thread count (python -m harness resolution --threads 1), restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="class")
 def engine():
     """One engine for the class, shut down before the tests that build their own (one engine per process)."""
     eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
                               dtype=torch.float32, device="cpu", page_size=4, num_page_override=64,
                               max_seq_len_override=64, max_running_req=2))
+    torch.set_num_threads(1)  # the engine set its own
     yield eng
     eng.shutdown()
 
@@ -132,6 +143,27 @@ def test_fp32_parity_probe_sees_a_one_percent_decode_scale_error():
         assert check.builds == 1  # one engine for every probe
     finally:
         check.close()
+
+
+def test_component_probe_sees_a_one_percent_decode_scale_error():
+    """On the CPU the torch implementation stands on both sides of the component check: its measure's resolution."""
+    check = ComponentCheck("cpu")
+    assert check.probe(FAMILIES["softmax-decode"], 0.01).detected
+    assert not check.probe(FAMILIES["softmax-decode"], 0.0).detected
+
+
+def test_fuzz_probe_sees_a_doubled_decode_scale():
+    check = FuzzCheck("cpu", budget=2.0)
+    try:
+        assert check.probe(FAMILIES["softmax-decode"], 1.0).detected
+    finally:
+        check.close()
+
+
+def test_resolution_refuses_bf16_parity_on_the_cpu_in_one_line(capsys: pytest.CaptureFixture):
+    assert main(["resolution", "--check", "parity-bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: parity-bf16 compares with the GPU's bf16 goldens") and "\n" not in err
 
 
 def test_resolution_command_writes_under_build_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

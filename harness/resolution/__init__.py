@@ -1,8 +1,9 @@
-"""The harness's own resolution: for each check (fp32 and bf16 parity per model, the sampling grid) and each family
-of planted faults of size e (softmax scale x (1 + e) in decode or prefill attention, RoPE base x (1 + e), a
-fraction e of KV writes sent astray, temperature x (1 + e), top-p + e, the sampler's softmax scale), the smallest e
-the check detects, found by bisection in log space with the faults planted in-process.
-`python -m harness resolution --device cpu|cuda` writes reports/resolution/<device>.md (under build/ by default).
+"""The harness's own resolution: for each check (fp32 and bf16 parity per model, the component checks, the fuzzer,
+the sampling grid) and each family of planted faults of size e (softmax scale x (1 + e) in decode or prefill
+attention, RoPE base x (1 + e), a fraction e of KV writes sent astray, temperature x (1 + e), top-p + e, the
+sampler's softmax scale), the smallest e the check detects, found by bisection in log space with the faults planted
+in-process. `python -m harness resolution --device cpu|cuda` writes reports/resolution/<device>.md (under build/
+unless --update-reports).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the parity path a parity probe runs (default batch)")
     p.add_argument("--ratio", type=float, default=DEFAULT_RATIO,
                    help=f"stop when largest missed / smallest detected <= this (default {DEFAULT_RATIO})")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the probes (default: the engine's choice, one per physical core; on a "
-                        "machine shared with other work 1 is often faster)")
+    p.add_argument("--fuzz-budget", type=float, default=20.0,
+                   help="seconds of search a fuzz probe runs (default 20; a failure's shrinking adds up to half)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for the probes (default 1: a probe's ops are small, and one thread beats a team "
+                        "that meets at every op on a shared host)")
     add_update_flag(p)
     p.set_defaults(func=cmd)

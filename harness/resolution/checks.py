@@ -4,12 +4,12 @@ whether it fails.
 - ParityCheck: the parity gate of one (model, device, dtype) on one path, against the committed golden, run
   in-process on one engine kept across probes (a fault that graphs bake gets an engine built inside it).
 - SamplingCheck: the sampling grid's chi-square and exact checks on a stated subset of its cases.
-A check made elsewhere (component checks, the fuzzer) joins by implementing the Check protocol.
+Checks built elsewhere (the component checks, the fuzzer) join through adapters.py.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Protocol, Sequence
+from typing import Dict, List, Protocol, Sequence, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from harness.resolution.search import Verdict
 class Check(Protocol):
     name: str
     target: Target  # the families it is measured on: engine faults or sampler faults
+    families: Tuple[str, ...] | None  # the families of that target it can be probed with (None: all)
 
     def describe(self) -> str:
         """What runs in one probe, for the report."""
@@ -46,11 +47,12 @@ class ParityCheck:
     """harness.parity's gate for one model, device and dtype on one path, every golden prompt."""
 
     target: Target = "engine"
+    families = None
 
     def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", path: str = "batch",
-                 threads: int | None = None) -> None:
+                 threads: int = 1) -> None:
         self.model, self.device, self.dtype = model, device, dtype
-        self.threads = threads  # CPU threads for the probes (None: the engine's choice, its physical cores)
+        self.threads = threads  # CPU threads for the probes: the engine sets its own (its physical cores) when built
         self.name = f"parity {dtype} {model} ({path})"
         chosen = [p for p in PATHS if p.name == path]
         if not chosen or not chosen[0].applies_to(device):
@@ -110,8 +112,7 @@ class ParityCheck:
         self.builds += 1
         engine = path_engine(self.plan, self.model)
         self.layers = engine.config.model_config.num_layers
-        if self.threads is not None:  # the engine set its own
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads)
         return engine
 
     def _live(self) -> Engine:
@@ -154,6 +155,7 @@ class SamplingCheck:
     """harness.sampling's grid (exact checks and chi-square at stated power) on a subset of its cases."""
 
     target: Target = "sampler"
+    families = None
 
     def __init__(self, device: str = "cpu", cases: Sequence[str] = SAMPLING_CASES, family_alpha: float = 0.01,
                  tv: float = 0.01, power: float = 0.99, seed: int = 0) -> None:

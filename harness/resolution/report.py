@@ -33,9 +33,10 @@ class CheckResult:
     builds: int | None = None  # engines built, for checks that hold one
 
 
-GOALS = (  # (family, check kind, largest e that must be detected, what the goal is)
-    ("softmax-decode", "parity-fp32", 1e-3, "0.1% in fp32"),
-    ("softmax-decode", "parity-bf16", 1e-2, "1% by a check of `pytest -m cuda`"),
+GOALS = (  # (family, check kind, device type, largest e that must be detected, what the goal is)
+    ("softmax-decode", "parity-fp32", None, 1e-3, "0.1% in fp32"),
+    ("softmax-decode", "parity-bf16", "cuda", 1e-2, "1% by a check of `pytest -m cuda`"),
+    ("softmax-decode", "components", "cuda", 1e-2, "1% by a check of `pytest -m cuda`"),
 )
 WHY = {  # check kind -> why its gate stops where it does, and what would see further
     "parity-fp32": "its tolerance is 4 x HF's own largest sdpa-vs-eager error on the golden: a fault whose effect "
@@ -47,6 +48,8 @@ WHY = {  # check kind -> why its gate stops where it does, and what would see fu
                    "comparison on identical inputs, where the reference's error is one kernel's bf16 rounding (the "
                    "FlashInfer-against-torch component checks, both measured against fp32), or the engine's own "
                    "torch-backend path as the reference instead of HF, would see a 1% scale error.",
+    "components": "its bound is 3 x the torch reference's own error against float64 on the same inputs; a kernel "
+                  "whose own bf16 error is already near that bound leaves less room for a fault to show.",
 }
 
 
@@ -74,9 +77,11 @@ def _probes_line(row: Row) -> str:
     return ", ".join(f"{p.e:.3g} {'caught' if p.detected else 'missed'}" for p in row.search.probes)
 
 
-def _goals(results: List[CheckResult]) -> List[str]:
+def _goals(results: List[CheckResult], device: str) -> List[str]:
     lines = []
-    for fam, kind, need, goal in GOALS:
+    for fam, kind, where, need, goal in GOALS:
+        if where is not None and not device.startswith(where):
+            continue
         for r in (r for r in results if r.kind == kind):
             row = next((x for x in r.rows if x.family == fam and x.search is not None), None)
             if row is None:
@@ -93,6 +98,11 @@ def _goals(results: List[CheckResult]) -> List[str]:
     return lines
 
 
+KV_NOTE = ("A KV fault of size e loses about e x (the check's KV writes) writes, so a check that sees the first lost "
+           "write detects e near 1 / writes: where a row's threshold sits there, one misplaced write is enough. The "
+           "component KV check moves at least one token whenever e > 0, so it is detected at any e.")
+
+
 METHOD = """\
 ## How it was found
 
@@ -105,7 +115,11 @@ METHOD = """\
 - **Probes** (`harness/resolution/checks.py`) run only what the check runs, in this process: a parity probe drives
   one path's golden prompts through one engine kept across probes (its KV pool zeroed before each, as a new
   engine's is) and applies the gate of `harness/parity/gate.py` (per-prompt max err against tol, near ties, and in half
-  precision the distribution gate); a sampling probe runs the grid's exact and chi-square checks on the stated cases.
+  precision the distribution gate); a sampling probe runs the grid's exact and chi-square checks on the stated cases;
+  a component probe (`adapters.py`) runs every case of the component grid the family's fault lives in, with the
+  components' own fault planted in the kernel under test only; a fuzz probe runs the fuzzer for a fixed budget and
+  seed with the fault planted in this process, whose engine is the one under test (the fuzzer's reference engines
+  run in processes of their own).
 - **Search** (`harness/resolution/search.py`): bisection of e in log space between e_min and e_max; detection is
   assumed monotone in e and checked at the ends (e_max must be detected, e_min missed, else the row says which end
   failed); it stops when largest missed / smallest detected <= the ratio. The threshold lies between the two
@@ -117,10 +131,12 @@ def markdown(results: List[CheckResult], device: str, settings: Dict[str, Any], 
              wall: float) -> str:
     rows = [_table_row(r, row) for r in results for row in r.rows]
     out = [f"# Resolution of the harness's checks ({device})", "",
-           "The smallest fault of each family each check detects. A fault of size e is what the family says; "
-           f"searched with ratio {settings['ratio']}, parity on path `{settings['path']}`; wall time {wall:.0f} s.",
-           "", markdown_table(rows), "## Goals", "", *(_goals(results) or ["- no goal's check was run"]), "",
-           "## Families", "", *(f"- `{f.name}`: {f.what}" for f in FAMILIES.values()), "", "## Checks", ""]
+           "The smallest fault of each family each check detects: a fault of size e is what the family says (below); "
+           "the threshold lies between the columns smallest detected and largest missed. Searched with ratio "
+           f"{settings['ratio']}, parity on path `{settings['path']}`, {settings['threads']} CPU thread(s), fuzz probes "
+           f"of {settings['fuzz_budget_s']:g} s; wall time {wall:.0f} s.",
+           "", markdown_table(rows), "## Goals", "", *(_goals(results, device) or ["- no goal's check was run"]), "",
+           "## Families", "", *(f"- `{f.name}`: {f.what}" for f in FAMILIES.values()), "", KV_NOTE, "", "## Checks", ""]
     for r in results:
         base = "passes" if not r.baseline.detected else "FAILS"
         builds = f"; engines built: {r.builds}" if r.builds is not None else ""
