@@ -1,4 +1,4 @@
-"""python -m harness {models,golden,parity,sampling,bench,fuzz} ... (each verb's --help says more)."""
+"""python -m harness {models,golden,parity,sampling,bench,fuzz,resolution} ... (each verb's --help says more)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ VERBS = (
     "harness.sampling",
     "harness.bench",
     "harness.fuzz",
+    "harness.resolution",
 )
 
 

@@ -31,16 +31,21 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def cos_sin_table(cfg: RotaryConfig, max_position: int) -> torch.Tensor:
+    """[max_position, head_dim] fp32 on the CPU: cos | sin of each position's D / 2 angles. Computed on the CPU
+    explicitly: the model itself is built under torch.device("meta")."""
+    t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+    freqs = torch.outer(t, _inv_freq(cfg))  # one fp32 product per entry, bitwise what HF's matmul gives
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: RotaryConfig, max_position: int, dtype: torch.dtype, device: torch.device,
                  ops: TorchOps) -> None:
         super().__init__()
-        self.ops = ops
-        # Computed on the CPU explicitly: the model itself is built under torch.device("meta").
-        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, _inv_freq(cfg))  # one fp32 product per entry, bitwise what HF's matmul gives
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim]: cos | sin
-        self.register_buffer("table", ops.rope_table(table, dtype).to(device), persistent=False)
+        self.cfg, self.ops = cfg, ops
+        self.register_buffer("table", ops.rope_table(cos_sin_table(cfg, max_position), dtype).to(device),
+                             persistent=False)
 
     def forward_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """positions [N]; q [N, Hq, D] and k [N, Hkv, D], views rotated in place."""

@@ -74,20 +74,31 @@ class _Recorder:
             self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
 
 
+def path_engine(plan: _PathPlan, model: str) -> Engine:
+    """A new engine configured for the path."""
+    return Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), **plan.engine_kwargs))
+
+
+def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
+    """The path's prompts through the driver on a built engine: per prompt, the PositionStat of every position, the
+    sampled tokens and the router margins."""
+    rec = _Recorder(gs)
+    for group, args in zip(plan.groups, plan.args):
+        res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
+            [plan.prompts[i] for i in group], plan.params,
+            on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp),
+            on_router=lambda uid, pos, m, base=group[0]: rec.router(base + uid, pos, m), **args)
+        rec.outputs += [r.output_ids for r in res]
+    return rec.stats, rec.outputs, rec.margins
+
+
 def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
     """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
     router margins."""
-    plan, rec = plan_path(path, device, dtype, gs), _Recorder(gs)
-    engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1),
-                                 **plan.engine_kwargs))
+    plan = plan_path(path, device, dtype, gs)
+    engine = path_engine(plan, model)
     try:
-        for group, args in zip(plan.groups, plan.args):
-            res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
-                [plan.prompts[i] for i in group], plan.params,
-                on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp),
-                on_router=lambda uid, pos, m, base=group[0]: rec.router(base + uid, pos, m), **args)
-            rec.outputs += [r.output_ids for r in res]
-        return rec.stats, rec.outputs, rec.margins
+        return drive_path(engine, plan, gs)
     finally:
         engine.shutdown()
 
