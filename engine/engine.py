@@ -102,7 +102,8 @@ class Engine:
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # every position -> the dummy page
         self.graph_runner = GraphRunner(self.stream, self.device, self.model, self.attn_backend,
                                         config.cuda_graph_bs or [], self.dummy_req,
-                                        token_buckets(config.prefill_graph_tokens or 0),
+                                        # the padding entry's tokens sit at positions 0, 1, ... of a page-table row
+                                        token_buckets(min(config.prefill_graph_tokens or 0, aligned_max_seq_len)),
                                         config.prefill_graph_max_reqs)
 
     # ------------------------------------------------------------------ init steps

@@ -103,5 +103,5 @@ def test_a_one_percent_softmax_scale_error_in_decode_fails(case: AttentionCase) 
 @pytest.mark.cuda
 @pytest.mark.parametrize("phase", ["prefill", "extend", "decode", "graph"])
 def test_one_misplaced_kv_write_fails_the_append_check(phase: str) -> None:
-    result = check_kv_append(AttentionCase(phase, 16, 128, True, None), fault=Fault("kv_slot", 1e-9))  # type: ignore
+    result = check_kv_append(AttentionCase(phase, 16, 256, True, None), fault=Fault("kv_slot", 1e-9))  # type: ignore
     assert not result.passed, result.describe()

@@ -106,3 +106,21 @@ def test_captures_fit_the_reserve_and_the_driver_uses_them():
         assert replays == 1
     finally:
         eng.shutdown()
+
+
+def test_a_pool_smaller_than_the_largest_bucket_caps_the_buckets():
+    """A KV pool of 64 tokens makes page-table rows of 64 slots: the padding entry's tokens sit at positions 0, 1, ...
+    of a row, so no bucket may exceed it (a 1024-token bucket once indexed past the row while capturing)."""
+    small = make("tiny-qwen3", 1024, num_page_override=64)
+    try:
+        assert sorted(small.graph_runner.prefill_graphs) == [64]
+        got, got_kv, replays = prefill(small, prompts_of([30, 20]), None)
+    finally:
+        small.shutdown()
+    eager = make("tiny-qwen3", 0, num_page_override=64)
+    try:
+        ref, ref_kv, _ = prefill(eager, prompts_of([30, 20]), None)
+    finally:
+        eager.shutdown()
+    assert replays == 1 and ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref) and torch.equal(ref_kv, got_kv)
