@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The CUDA half of the project, on a machine with an NVIDIA GPU and flashinfer-python (see README, "On a GPU").
-#   tools/gpu_suite.sh STAGE [MODEL...]   STAGE: tests | golden | spread | parity | sampling | bench | bench-moe | fuzz | tp | all
+#   tools/gpu_suite.sh STAGE [MODEL...]
+#   STAGE: tests | golden | spread | parity | sampling | bench | bench-moe | fuzz | resolution | tp | all
 # golden and parity cover bf16 and fp32 for the given models (default: the GPU golden models); spread measures HF's
 # sdpa-vs-eager spread again on each committed bf16 golden (its provenance only); tp runs parity with 2 ranks over
 # NCCL when 2 GPUs are visible; bench-moe measures the qwen3-30b-a3b shape (dummy weights, 61 GB) into
 # reports/bench/cuda-qwen3-30b-a3b/; fuzz runs the scheduling fuzzer on tiny-qwen3 for FUZZ_BUDGET seconds (default
-# 240; FUZZ_ARGS adds options, e.g. "--plant graph-plan-keyed-on-rows"). Results land in golden/ and reports/
-# (--update-reports), ready to commit.
+# 240; FUZZ_ARGS adds options, e.g. "--plant graph-plan-keyed-on-rows"); resolution measures the smallest planted
+# fault each check detects (RESOLUTION_ARGS, default: bf16 and fp32 parity of SmolLM2 and tiny-qwen3 and the
+# component checks, about 6 minutes on an H200). Results land in golden/ and reports/ (--update-reports).
 # Set ENGINE_ZOO_GGUF to convert a local SmolLM2 GGUF without a registry; SAMPLING_ARGS="--real-model smollm2-135m"
 # leaves Gemma 3's real logits out of the sampling stage when gemma3-270m is not staged.
 set -uo pipefail
@@ -25,6 +27,7 @@ case $stage in sampling|all) run python3 -m harness sampling --device cuda --upd
 case $stage in bench|all) run python3 -m harness bench --device cuda --update-reports ;; esac
 case $stage in bench-moe|all) run python3 -m harness bench --device cuda --model qwen3-30b-a3b --update-reports ;; esac
 case $stage in fuzz|all) run python3 -m harness fuzz --device cuda --budget "${FUZZ_BUDGET:-240}" --update-reports ${FUZZ_ARGS:-} ;; esac
+case $stage in resolution|all) run python3 -m harness resolution --device cuda --update-reports ${RESOLUTION_ARGS:---check parity-bf16 --check parity-fp32 --check components --model smollm2-135m --model tiny-qwen3} ;; esac
 case $stage in tp|all)
   if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     run python3 -m harness parity --device cuda --tp 2 --dtype bfloat16 --dtype float32 --no-sampling --update-reports --model tiny-qwen3

@@ -112,9 +112,9 @@ class FuzzCheck:
 
     def describe(self) -> str:
         cases = f", {min(self._cases)}-{max(self._cases)} workloads a probe" if self._cases else ""
-        return (f"`harness fuzz` on {self.model}, {self.device}, seed {self.seed}, a search budget of {self.budget:g} s "
-                f"a probe (shrinking a failure takes up to half that again){cases}; detection is a random search's: "
-                "the bisection assumes it monotone")
+        return (f"`harness fuzz` on {self.model}, {self.device}, seed {self.seed}, a search budget of "
+                f"{self.budget:g} s a probe (shrinking a failure takes up to half that again){cases}; detection is a "
+                "random search's: the bisection assumes it monotone")
 
     def search_range(self, family: Family) -> Tuple[float, float]:
         return family.e_min, family.e_max

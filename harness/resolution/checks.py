@@ -92,15 +92,15 @@ class ParityCheck:
     def probe(self, family: Family, e: float) -> Verdict:
         if self.baked(family):
             self.close()  # one engine per process: the clean one is rebuilt when next needed
-            with family.plant(e, None):
+            with family.plant(e, None) as planted:
                 engine = self._build()
                 try:
-                    return self._run(engine)
+                    return _with(self._run(engine), planted)
                 finally:
                     engine.shutdown()
         engine = self._live()
-        with family.plant(e, engine):
-            return self._run(engine)
+        with family.plant(e, engine) as planted:
+            return _with(self._run(engine), planted)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -125,6 +125,11 @@ class ParityCheck:
         stats, outputs, _ = drive_path(engine, self.plan, self.gs)
         prompts, path_result = evaluate(self.path, self.gs, stats, outputs, self.tol, self.tie_tol, self.limits)
         return _verdict(prompts, path_result, self.tol)
+
+
+def _with(verdict: Verdict, planted: object) -> Verdict:
+    """The verdict, with what the fault reported doing (the KV fault: how many writes it lost)."""
+    return verdict if planted is None else Verdict(verdict.detected, f"{verdict.detail}; {planted}")
 
 
 def _zero_pool(engine: Engine) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, ContextManager, Dict, Iterator, List, Literal, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal, Tuple
 
 import torch
 
@@ -27,7 +27,7 @@ from engine.sample import BatchSamplingArgs, Sampler
 
 Target = Literal["engine", "sampler"]
 Patch = Tuple[object, str, Callable[[Callable], Callable]]  # (owner, attribute, original -> replacement)
-Plant = Callable[[float, "Engine | None"], ContextManager[None]]  # (e, the live engine or None) -> the fault
+Plant = Callable[[float, "Engine | None"], ContextManager[Any]]  # (e, the live engine or None) -> the fault
 
 
 @dataclass(frozen=True)
@@ -141,31 +141,51 @@ def _dummy_slot(pool: KVCachePool) -> int:
     return (pool.num_pages - 1) * pool.page_size  # the last page is the dummy request's: no request reads it
 
 
+@dataclass
+class LostWrites:
+    """What a KV wrong-slot fault did: the writes it sent astray, counted outside CUDA graphs (a replay's are not)."""
+
+    counted: int = 0
+    in_graphs: bool = False  # some were captured into a decode graph, and its replays are not counted
+
+    def add(self, lost: torch.Tensor) -> None:
+        if lost.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.in_graphs = True
+        else:
+            self.counted += int(lost.sum())
+
+    def __str__(self) -> str:
+        return f"{self.counted} KV writes lost" + (" outside graph replays" if self.in_graphs else "")
+
+
 @contextmanager
-def _kv_wrong_slot(e: float, engine: Engine | None = None) -> Iterator[None]:
+def _kv_wrong_slot(e: float, engine: Engine | None = None) -> Iterator[LostWrites]:
     """A fraction e of the KV writes land in the dummy page instead of their slot, which keeps what it held (zeros
-    in a fresh pool, an earlier request's KV in a reused page)."""
+    in a fresh pool, an earlier request's KV in a reused page). Yields the count of writes lost."""
+    tally = LostWrites()
 
     def store_kv(original: Callable) -> Callable:
         def store(self: KVCachePool, kv: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-            astray = torch.where(lost_writes(out_loc, layer_id, e), _dummy_slot(self), out_loc)
-            return original(self, kv, astray, layer_id)
+            lost = lost_writes(out_loc, layer_id, e)
+            tally.add(lost)
+            return original(self, kv, torch.where(lost, _dummy_slot(self), out_loc), layer_id)
         return store
 
     def flashinfer_store(original: Callable) -> Callable:
         def store(self: FlashInferBackend, kv: torch.Tensor, paged: tuple, batch) -> None:
             # fixed shapes only (a decode graph captures this): the lost slots get their old content back
             slots = batch.out_loc
-            lost = lost_writes(slots, _layer_of(paged[0]), e)[:, None, None]
+            lost = lost_writes(slots, _layer_of(paged[0]), e)
+            tally.add(lost)
             flat = [c.view(-1, *c.shape[2:]) for c in paged]  # [slots, Hkv, D] views of K and V
             before = [f[slots].clone() for f in flat]
             original(self, kv, paged, batch)
             for f, old in zip(flat, before):
-                f[slots] = torch.where(lost, old, f[slots])
+                f[slots] = torch.where(lost[:, None, None], old, f[slots])
         return store
 
     with patched([(KVCachePool, "store_kv", store_kv), (FlashInferBackend, "_store", flashinfer_store)]):
-        yield
+        yield tally
 
 
 def _layer_of(k_cache: torch.Tensor) -> int:

@@ -81,6 +81,8 @@ def _goals(results: List[CheckResult], device: str) -> List[str]:
     lines = []
     for fam, kind, where, need, goal in GOALS:
         if where is not None and not device.startswith(where):
+            line = f"- {goal}, {fam}: a {where} goal; see reports/resolution/{where}.md"
+            lines += [] if line in lines else [line]
             continue
         for r in (r for r in results if r.kind == kind):
             row = next((x for x in r.rows if x.family == fam and x.search is not None), None)
@@ -130,11 +132,13 @@ METHOD = """\
 def markdown(results: List[CheckResult], device: str, settings: Dict[str, Any], prov: Dict[str, Any],
              wall: float) -> str:
     rows = [_table_row(r, row) for r in results for row in r.rows]
-    out = [f"# Resolution of the harness's checks ({device})", "",
+    left = settings.get("checks_left", 0)
+    partial = [f"**Partial**: {left} more check(s) were to run when this was written.", ""] if left else []
+    out = [f"# Resolution of the harness's checks ({device})", "", *partial,
            "The smallest fault of each family each check detects: a fault of size e is what the family says (below); "
            "the threshold lies between the columns smallest detected and largest missed. Searched with ratio "
-           f"{settings['ratio']}, parity on path `{settings['path']}`, {settings['threads']} CPU thread(s), fuzz probes "
-           f"of {settings['fuzz_budget_s']:g} s; wall time {wall:.0f} s.",
+           f"{settings['ratio']}, parity on path `{settings['path']}`, {settings['threads']} CPU thread(s), fuzz "
+           f"probes of {settings['fuzz_budget_s']:g} s; wall time {wall:.0f} s.",
            "", markdown_table(rows), "## Goals", "", *(_goals(results, device) or ["- no goal's check was run"]), "",
            "## Families", "", *(f"- `{f.name}`: {f.what}" for f in FAMILIES.values()), "", KV_NOTE, "", "## Checks", ""]
     for r in results:

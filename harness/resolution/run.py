@@ -97,17 +97,27 @@ def cmd(args: argparse.Namespace) -> int:
         raise UserError(f"--threads {args.threads}: give 1 or more")
     torch.set_num_threads(args.threads)
     # every check is made (its golden read, its cases listed) before the first one runs: a refusal comes first
-    checks = [(kind, CHECKS[kind](args, model)) for kind in kinds for model in (models if kind in PER_MODEL else [None])]
-    start = time.perf_counter()
-    results: List[CheckResult] = []
+    checks = [(kind, CHECKS[kind](args, model))
+              for kind in kinds for model in (models if kind in PER_MODEL else [None])]
+    settings = {"ratio": args.ratio, "path": args.path, "checks": kinds, "models": models,
+                "families": [f.name for f in chosen], "threads": args.threads, "fuzz_budget_s": args.fuzz_budget}
+    runnable = []
     for kind, check in checks:
         families = _families(check, chosen)
         if families:
-            results.append(measure(kind, check, families, args.ratio, _print_row))
+            runnable.append((kind, check, families))
         else:
             check.close()
-    settings = {"ratio": args.ratio, "path": args.path, "checks": kinds, "models": models,
-                "families": [f.name for f in chosen], "threads": torch.get_num_threads(),
-                "fuzz_budget_s": args.fuzz_budget}
-    print(write_report(results, device, settings, time.perf_counter() - start, args.update_reports))
+    if not runnable:
+        raise UserError("no chosen family applies to the chosen checks; parity and the component checks take "
+                        "softmax-decode, softmax-prefill, rope-base and kv-wrong-slot, the fuzzer softmax-decode and "
+                        "kv-wrong-slot, sampling sampler-softmax, temperature and top-p")
+    start = time.perf_counter()
+    results: List[CheckResult] = []
+    for i, (kind, check, families) in enumerate(runnable):
+        results.append(measure(kind, check, families, args.ratio, _print_row))
+        # rewritten after every check: a run cut short leaves the checks it finished
+        where = write_report(results, device, dict(settings, checks_left=len(runnable) - i - 1),
+                             time.perf_counter() - start, args.update_reports)
+    print(where)
     return 1 if any(r.baseline.detected for r in results) else 0
