@@ -23,8 +23,9 @@ BOUND = 512  # buckets 128, 256, 512
 def make(model: str, prefill_graph_tokens: int, **kw) -> Engine:
     zoo.prepare(model)
     kw.setdefault("page_size", 1)
+    kw.setdefault("num_page_override", 4096)
     return Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), device="cuda",
-                               dtype=torch.bfloat16, num_page_override=4096, max_seq_len_override=1024,
+                               dtype=torch.bfloat16, max_seq_len_override=1024,
                                max_running_req=8, cuda_graph_max_bs=0, prefill_graph_tokens=prefill_graph_tokens,
                                use_dummy_weight=not zoo.MODELS[model].has_weights, **kw))
 

@@ -197,7 +197,7 @@ def _run_fresh(family: Family | None = None, e: float = 0.0) -> Dict[Tuple[int, 
             eng.shutdown()
 
 
-BAKED = ("softmax-decode", "kv-wrong-slot")  # what decode graphs capture
+BAKED = ("softmax-decode", "softmax-prefill", "kv-wrong-slot")  # what decode and prefill graphs capture
 
 
 @pytest.mark.cuda

@@ -3,8 +3,9 @@ the sampler computes while it is entered, and restores it bitwise on exit (e = 0
 
 Most families act on objects a built engine reads at every call (the attention backends' scale, the rotary tables
 rewritten in place, the KV store, the sampler's arguments), so one engine serves every probe. CUDA graphs bake
-kernel arguments and captured ops at capture: a softmax-scale error in decode attention and the KV wrong-slot
-fault on FlashInfer with decode graphs are captured only by an engine built inside the context (`baked`).
+kernel arguments and captured ops at capture: on FlashInfer a softmax-scale error in decode attention (decode
+graphs) or in prefill attention (prefill graphs), and the KV wrong-slot fault (either), are captured only by an
+engine built inside the context (`baked`).
 Class attributes are patched, so the patch reaches the one live engine and any engine built inside.
 """
 
@@ -59,8 +60,16 @@ def _never(engine: Engine) -> bool:
     return False
 
 
-def _graphed_flashinfer(engine: Engine) -> bool:
+def _decode_graphed(engine: Engine) -> bool:
     return engine.config.attention_backend == "flashinfer" and bool(engine.graph_runner.graphs)
+
+
+def _prefill_graphed(engine: Engine) -> bool:
+    return engine.config.attention_backend == "flashinfer" and bool(engine.graph_runner.prefill_graphs)
+
+
+def _graphed_flashinfer(engine: Engine) -> bool:
+    return _decode_graphed(engine) or _prefill_graphed(engine)
 
 
 # ---------------------------------------------------------------------------------------------- softmax scale
@@ -236,9 +245,9 @@ def _sampler_softmax_scale(e: float, engine: Engine | None = None) -> Iterator[N
 
 FAMILIES: Dict[str, Family] = {f.name: f for f in [
     Family("softmax-decode", "decode attention's softmax scale x (1 + e)", "engine", _softmax_scale("decode"),
-           _graphed_flashinfer, 1e-6, 1.0, 1e-4),
+           _decode_graphed, 1e-6, 1.0, 1e-4),
     Family("softmax-prefill", "prefill (and extend) attention's softmax scale x (1 + e)", "engine",
-           _softmax_scale("prefill"), _never, 1e-6, 1.0, 1e-4),
+           _softmax_scale("prefill"), _prefill_graphed, 1e-6, 1.0, 1e-4),
     # below about 1e-7 the base rounds to the same float32 value (the tables are computed in fp32): no change
     Family("rope-base", "RoPE base x (1 + e) in every rotary table", "engine", _rope_base, _never, 1e-8, 1.0, 1e-5),
     # a single lost write may be visible in any precision: the search starts below one write in the golden's run
