@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from typing import Dict, List, Set
 
+from engine import Engine
 from harness import golden as G
 from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, RequestSpec, Workload
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
@@ -106,7 +107,7 @@ class Evaluator:
         except Exception as e:  # the engine or the driver raised: that is a finding too
             return Failure("runs", stage, f"{type(e).__name__}: {e}")
 
-    def _stage(self, stage: str, config: FuzzConfig, workload: Workload, engine, free: RunSpec,
+    def _stage(self, stage: str, config: FuzzConfig, workload: Workload, engine: Engine, free: RunSpec,
                refs: List[Reference], main: RunOutput | None) -> tuple:
         if stage == "main":
             out = self._run(engine, free)
@@ -126,9 +127,9 @@ class Evaluator:
         self.eager.configure(config.eager_kwargs(self.device))
         out = self.eager.run(dataclasses.replace(free, stage="eager-twin"))
         self.counts["runs"] += 1
-        return compare_bitwise(main, out, "graphs-eager", "eager-twin", self.counts), out
+        return out.violation or compare_bitwise(main, out, "graphs-eager", "eager-twin", self.counts), out
 
-    def _run(self, engine, spec: RunSpec, refs: List[Reference] | None = None) -> RunOutput:
+    def _run(self, engine: Engine, spec: RunSpec, refs: List[Reference] | None = None) -> RunOutput:
         out = run_workload(engine, spec, refs)
         self.counts["runs"] += 1
         self.counts["pool steps"] += out.pool_steps

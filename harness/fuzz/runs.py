@@ -13,11 +13,11 @@ import torch
 
 from engine import Engine
 from engine.core import SamplingParams
+from harness.compare import PositionStat, compare_row
 from harness.driver import Driver
 from harness.fuzz.case import Failure
 from harness.fuzz.pool import PoolChecker
 from harness.golden import TOP_K
-from harness.compare import PositionStat, compare_row
 
 Position = Tuple[int, int]  # (uid, position): the distribution predicted at that position
 

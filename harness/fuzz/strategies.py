@@ -8,12 +8,13 @@ smallest pool (requests wait for pages); no prefill budget to speak of.
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List
 
 from hypothesis import strategies as st
 
 from harness.fuzz.case import MAX_NEW, MAX_PROMPT, MAX_REQUESTS, FuzzConfig, RequestSpec, Workload
 
+MAX_SLOTS = 8
 PAGE_SIZES = [4, 16, 1]
 POOL_TOKENS = [64, 128, 512]  # 64: one request of MAX_PROMPT + MAX_NEW tokens fills most of it
 PREFILL_BUDGETS = [4096, 16]  # 16: prompts are admitted a few at a time and prefills split
@@ -38,7 +39,7 @@ def configs(draw: Callable, device: str, dtype: str | None = None) -> FuzzConfig
     backend = draw(st.sampled_from(["flashinfer", "torch"])) if cuda and half else "torch"
     graphs = draw(st.sampled_from([True, False])) if backend == "flashinfer" else False
     return FuzzConfig(dtype=dtype, attention_backend=backend, graphs=graphs,
-                      slots=draw(st.integers(1, MAX_REQUESTS)), page_size=draw(st.sampled_from(PAGE_SIZES)),
+                      slots=draw(st.integers(1, MAX_SLOTS)), page_size=draw(st.sampled_from(PAGE_SIZES)),
                       pool_tokens=draw(st.sampled_from(POOL_TOKENS)),
                       max_prefill_tokens=draw(st.sampled_from(PREFILL_BUDGETS)),
                       overlap=draw(st.sampled_from([True, False])))
