@@ -14,6 +14,7 @@ from typing import Dict, List, Protocol, Sequence, Tuple
 import torch
 
 from engine import Engine
+from harness import UserError
 from harness import golden as G
 from harness.parity.gate import HALF, PathResult, PromptResult, dist_limits, evaluate, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
@@ -57,7 +58,7 @@ class ParityCheck:
         chosen = [p for p in PATHS if p.name == path]
         if not chosen or not chosen[0].applies_to(device):
             names = ", ".join(p.name for p in PATHS if p.applies_to(device))
-            raise ValueError(f"parity path {path!r} does not run on {device}; choose one of: {names}")
+            raise UserError(f"parity path {path!r} does not run on {device}; choose one of: {names}")
         self.path = chosen[0]
         self.gs = G.load_checked(model, device.split(":")[0], dtype)
         self.tol, self.limits = tolerance(self.gs, dtype), dist_limits(self.gs, dtype)

@@ -45,15 +45,22 @@ class Family:
 
 @contextmanager
 def patched(patches: List[Patch]) -> Iterator[None]:
-    """Replace each owner.attribute by wrap(original) while entered; the originals come back on exit."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    """Replace each owner.attribute by wrap(original) while entered; on exit the owner is as it was (an attribute
+    it inherited is inherited again)."""
+    saved = [(owner, name, vars(owner).get(name, _INHERITED)) for owner, name, _ in patches]
     try:
-        for (owner, name, wrap), (_, _, original) in zip(patches, saved):
-            setattr(owner, name, wrap(original))
+        for owner, name, wrap in patches:
+            setattr(owner, name, wrap(getattr(owner, name)))
         yield
     finally:
         for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+_INHERITED = object()
 
 
 def _never(engine: Engine) -> bool:
