@@ -58,6 +58,7 @@ def plan_num_pages(init_free_memory: int, free_memory_now: int, bytes_per_page: 
     return MemoryPlan(init_free_memory, model, reserve, bytes_per_page, num_pages, bound)
 
 
+ALLOCATOR_SEGMENT = 2 << 20  # torch's caching allocator rounds large blocks and small segments to 2 MiB
 # FlashInfer allocates this much device int workspace in every wrapper's constructor (and as much pinned host memory)
 FLASHINFER_INT_WORKSPACE = 8 << 20
 
@@ -144,7 +145,7 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
-    (decode logits, prefill hidden states; counted from their shapes), the graph wrappers' int workspaces and the
+    (decode logits, prefill hidden states; counted from their shapes, each rounded to the allocator's 2 MiB), the graph wrappers' int workspaces and the
     static inputs and page lists the graphs read (from their shapes), and the capture stream's cuBLAS workspace.
     Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
     captures really took, to check this against.
@@ -186,7 +187,10 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     graphs = 0
     if graph_bs or buckets:
         pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
-        outputs = sum(graph_bs) * -(-mc.vocab_size // tp) * tp * item + sum(buckets) * mc.hidden_size * item
+        # each kept output holds its own allocator block, rounded up to the allocator's 2 MiB segment granularity
+        kept = [bs * -(-mc.vocab_size // tp) * tp * item for bs in graph_bs] + [t * mc.hidden_size * item
+                                                                                for t in buckets]
+        outputs = sum(align_up(b, ALLOCATOR_SEGMENT) for b in kept)
         wrappers = (len(graph_bs) + bool(buckets)) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
         width = -(-align_up(config.max_seq_len, 32) // config.page_size)  # pages of a page-table row, at most
         t = max(buckets, default=0)
