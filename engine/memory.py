@@ -145,8 +145,9 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
-    (decode logits, prefill hidden states; counted from their shapes, each rounded to the allocator's 2 MiB), the graph wrappers' int workspaces and the
-    static inputs and page lists the graphs read (from their shapes), and the capture stream's cuBLAS workspace.
+    (decode logits, prefill hidden states; counted from their shapes, each rounded to the allocator's 2 MiB), the
+    graph wrappers' int workspaces, the static inputs and page lists the graphs read (from their shapes), and the
+    capture stream's cuBLAS workspace.
     Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
     captures really took, to check this against.
     """
