@@ -7,8 +7,9 @@ from typing import List
 import pytest
 import torch
 
-from engine import Engine
+from engine import Engine, EngineConfig
 from engine.core import Batch, Req, SamplingParams
+from engine.distributed import DistributedInfo
 from harness.driver import Driver
 from tests.conftest import PROMPTS
 
@@ -107,9 +108,6 @@ def test_qwen2_with_qkv_bias_matches_hf(tmp_path):
     """Qwen2 (bias on q/k/v, no q/k norm) through the same decoder: a small random model made here."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from engine import EngineConfig
-    from engine.distributed import DistributedInfo
-
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -119,25 +117,13 @@ def test_qwen2_with_qkv_bias_matches_hf(tmp_path):
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
             torch.nn.init.normal_(proj.bias, std=0.5)
     hf.save_pretrained(tmp_path)
-    engine = Engine(EngineConfig(model_path=str(tmp_path), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
-                                 device="cpu", num_page_override=2048, max_seq_len_override=512))
-    try:
-        ids = [[5, 17, 300, 42, 7, 99], [1, 2, 3]]
-        logits = prefill_logits(engine, ids)
-        with torch.no_grad():
-            ref = torch.cat([hf(torch.tensor([i])).logits[0] for i in ids])
-        assert (logits - ref).abs().max().item() < REL_TOL * ref.abs().max().item()
-    finally:
-        engine.shutdown()
+    _prefill_matches_hf(tmp_path, hf)
 
 
 def test_mixtral_moe_matches_hf(tmp_path):
     """Mixtral through the same decoder: block_sparse_moe.experts.<e>.w1/w3/w2 mapped at load, every layer sparse,
     the top-k always renormalized and the expert outputs weighted in fp32. A small random model made here."""
     from transformers import MixtralConfig, MixtralForCausalLM
-
-    from engine import EngineConfig
-    from engine.distributed import DistributedInfo
 
     torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
@@ -146,14 +132,21 @@ def test_mixtral_moe_matches_hf(tmp_path):
                         architectures=["MixtralForCausalLM"])
     hf = MixtralForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)
-    engine = Engine(EngineConfig(model_path=str(tmp_path), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
+    mc = _prefill_matches_hf(tmp_path, hf)
+    assert mc.router_weights_fp32 and mc.norm_topk_prob
+
+
+def _prefill_matches_hf(folder, hf):
+    """The engine's prefill logits of two prompts from the saved HF model in folder against HF's own, fp32 on the CPU;
+    returns the engine's ModelConfig."""
+    engine = Engine(EngineConfig(model_path=str(folder), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
                                  device="cpu", num_page_override=2048, max_seq_len_override=512))
     try:
-        assert engine.config.model_config.router_weights_fp32 and engine.config.model_config.norm_topk_prob
         ids = [[5, 17, 300, 42, 7, 99], [1, 2, 3]]
         logits = prefill_logits(engine, ids)
         with torch.no_grad():
             ref = torch.cat([hf(torch.tensor([i])).logits[0] for i in ids])
         assert (logits - ref).abs().max().item() < REL_TOL * ref.abs().max().item()
+        return engine.config.model_config
     finally:
         engine.shutdown()
