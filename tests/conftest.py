@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator, List
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter, on CPU tensors (read when Triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo

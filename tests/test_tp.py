@@ -130,6 +130,7 @@ def _vocab_padding(rank: int, size: int, port: int, vocab: int) -> Dict[str, Any
     sharding (models/weights.py) and real collectives."""
     from engine.distributed import destroy_process_groups, init_process_groups, set_tp_info
     from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding, compute_logits
+    from engine.layers.ops import TorchOps
     from engine.models.weights import _shard
 
     set_tp_info(rank, size)
@@ -143,7 +144,7 @@ def _vocab_padding(rank: int, size: int, port: int, vocab: int) -> Dict[str, Any
         emb.load_state_dict({"weight": _shard("model.embed_tokens.weight", "embed_tokens", full, cfg)}, assign=True)
         head.load_state_dict({"weight": _shard("lm_head.weight", "lm_head", full, cfg)}, assign=True)
         ids = torch.arange(vocab, dtype=torch.int32).flip(0)
-        logits = compute_logits(hidden, head.weight, vocab)
+        logits = compute_logits(hidden, head.weight, vocab, TorchOps())
         per_rank = head.weight.shape[0]
         real = max(0, min(per_rank, vocab - rank * per_rank))  # this rank's rows that are not padding
         return {"rows": per_rank, "start": emb.start, "padding_zero": bool((head.weight[real:] == 0).all()),

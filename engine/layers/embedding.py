@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_info, tp_all_gather_last_dim, tp_all_reduce
+from engine.layers.ops import TorchOps
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -40,6 +41,6 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_shard(vocab_size)[1], hidden_size), requires_grad=False)
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, ops: TorchOps) -> torch.Tensor:
     """hidden [N, H] -> logits [N, vocab_size], gathered over ranks with the padding rows cut off."""
-    return tp_all_gather_last_dim(F.linear(hidden, weight))[:, :vocab_size]
+    return tp_all_gather_last_dim(ops.linear(hidden, weight))[:, :vocab_size]

@@ -7,7 +7,8 @@ writes no copies of q and k.
 
 Numerics that differ on the fused path, each within bf16 rounding: RMSNorm multiplies the weight in fp32 before one
 rounding (HF Llama casts first), fused_add_rmsnorm normalizes the unrounded sum, RoPE rotates HF's rounded cos/sin in
-fp32 and rounds once (HF rounds after each product), the gated activations round once. Gemma's per-head q/k norms
+fp32 and rounds once (HF rounds after each product), the gated activations round once, the skinny GEMM sums in
+fp32 in its own order (cuBLAS's is another). Gemma's per-head q/k norms
 stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers import skinny_gemm
 from engine.utils.device import has_flashinfer
 
 OPS_BACKENDS = ("torch", "flashinfer")
@@ -61,15 +63,21 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, K] @ weight [O, K]^T (+ bias): every projection and the LM head."""
+        return F.linear(x, weight, bias)
+
 
 class FlashInferOps(TorchOps):
     """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
-    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul."""
+    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and projections of at most
+    16 rows (decode) through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed, else cuBLAS."""
 
     def __init__(self) -> None:
         import flashinfer
 
         self.fi = flashinfer
+        self.skinny = skinny_gemm.available()
 
     def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
         # the kernel reads an fp32 cache: give it HF's cos/sin values (rounded to the model dtype), so only the
@@ -96,6 +104,10 @@ class FlashInferOps(TorchOps):
 
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return (self.fi.silu_and_mul if act == "silu" else self.fi.gelu_tanh_and_mul)(gate_up)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        config = skinny_gemm.choose(x, weight) if self.skinny else None
+        return F.linear(x, weight, bias) if config is None else skinny_gemm.skinny_gemm(x, weight, bias, config)
 
 
 def _unit(offset: float) -> bool:

@@ -39,11 +39,11 @@ class SelfAttention(nn.Module):
         self.num_qo_heads, self.num_kv_heads = heads_per_rank(config)
         self.head_dim = d = config.head_dim
         qkv_out = (self.num_qo_heads + 2 * self.num_kv_heads) * d
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.attention_bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.attention_bias, ops=ops)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.attn = AttentionLayer(layer_id, rotary)
-        self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size)
+        self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, d, hq, hkv = x.shape[0], self.head_dim, self.num_qo_heads, self.num_kv_heads
@@ -60,8 +60,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
         inter = div_even(config.intermediate_size, get_tp_info().size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False, ops=ops)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, ops)
         self.act, self.ops = config.hidden_act, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,
                  ops: TorchOps) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.ops = config, ops
         self.rotary = RotaryEmbedding(config.rotary_config, max_position, dtype, device, ops)
         self.local_rotary = None if config.local_rotary_config is None else \
             RotaryEmbedding(config.local_rotary_config, max_position, dtype, device, ops)
@@ -144,7 +144,7 @@ class CausalLM(nn.Module):
         if batch.return_logits != "all" and batch.is_prefill:
             hidden = hidden[batch.attn_metadata.last_indices()]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(hidden, weight, self.config.vocab_size)
+        return compute_logits(hidden, weight, self.config.vocab_size, self.ops)
 
 
 def create_model(config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,

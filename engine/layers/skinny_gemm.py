@@ -1,0 +1,165 @@
+"""y = x W^T (+ b) for a few rows of x (M <= 16: a decode step's projections and LM head), in Triton.
+
+At M = 1 a projection is a matrix-vector product: it reads the whole weight once and does two flops a weight, so its
+time is the weight's bytes over the memory bandwidth. cuBLAS's M = 1 kernels reach about a quarter of the H200's
+bandwidth on a 0.6B model's layer shapes; this kernel gives each program BLOCK_N rows of W and walks K in BLOCK_K
+steps, so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512, enough programs
+to fill the GPU without a second reduction kernel). Products accumulate in fp32 per lane and are reduced once at the
+end; the result is rounded once to the model dtype, the bias added in fp32 first, as cuBLAS's epilogue does.
+
+Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device
+(`python -m harness.bench.tune_gemm`, skinny_gemm_tuned.json keyed by device name and "M,N,K" with M rounded up to
+a power of two; null where cuBLAS was faster, so the kernel is used only where it pays), else from a rule. Rows are independent and each row's sum order depends only on the configuration,
+which depends only on (BLOCK_M, N, K): a batch padded to a CUDA-graph size gets the same bits as the eager batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Dict, Tuple
+
+import torch
+
+MAX_ROWS = 16
+TABLE = Path(__file__).with_name("skinny_gemm_tuned.json")
+# what one program may hold in fp32 accumulators: BLOCK_M * BLOCK_N * BLOCK_K <= 128 values a thread
+ACC_PER_THREAD = 128
+# without a measured entry, the kernel takes blocks of at most this many rows: its fp32 FMAs on CUDA cores do M
+# multiply-adds a weight, which at M = 16 need as much as the H200's fp32 rate to keep up with its bandwidth, where
+# cuBLAS's tensor cores do not
+DEFAULT_MAX_BLOCK_M = 4
+
+Config = Tuple[int, int, int]  # BLOCK_N, BLOCK_K, num_warps
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def block_m(m: int) -> int:
+    return 1 << max(0, m - 1).bit_length()
+
+
+def fits(bm: int, config: Config) -> bool:
+    bn, bk, warps = config
+    return bm * bn * bk <= ACC_PER_THREAD * 32 * warps
+
+
+def search_space(bm: int, k: int) -> list[Config]:
+    """Every configuration the tuner tries (and the tests run) for a block of bm rows and reduction length k: each
+    thread loads at least one 16-byte vector of W a step, and a step is no wider than twice K."""
+    out = []
+    for bn in (1, 2, 4, 8):
+        for bk in (256, 512, 1024):
+            for warps in (4, 8):
+                if bk <= max(256, 2 * k) and bn * bk >= 256 * warps and fits(bm, (bn, bk, warps)):
+                    out.append((bn, bk, warps))
+    return out
+
+
+def default_config(bm: int, n: int, k: int, sms: int) -> Config:
+    """Untuned rule: enough programs for two per SM, a 512-wide K step, four warps; shrunk to fit the registers."""
+    bn = 8
+    while bn > 1 and n // bn < 2 * sms:
+        bn //= 2
+    bk = 512 if k >= 512 else 256
+    while not fits(bm, (bn, bk, 4)):
+        if bk > 256:
+            bk //= 2
+        else:
+            bn //= 2
+    return bn, bk, 4
+
+
+@functools.cache
+def _table(device_name: str) -> Dict[str, Config | None]:
+    if not TABLE.exists():
+        return {}
+    entries = json.loads(TABLE.read_text()).get(device_name, {})
+    return {key: None if v is None else tuple(v) for key, v in entries.items()}
+
+
+@functools.cache
+def _device_facts(index: int) -> Tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_gemm can take this call: 2-D x of at most MAX_ROWS rows with unit stride along K, a contiguous
+    half-precision weight of x's dtype, on CUDA."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
+
+
+def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
+    """The configuration to run x @ weight^T with, or None where cuBLAS is the faster (or the only) way: the
+    device's measured entry for (BLOCK_M, N, K) (null where cuBLAS won), else the rule up to DEFAULT_MAX_BLOCK_M."""
+    if not supports(x, weight):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    name, sms = _device_facts(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    bm, table = block_m(m), _table(name)
+    key = f"{bm},{n},{k}"
+    if key in table:
+        return table[key]
+    return default_config(bm, n, k, sms) if bm <= DEFAULT_MAX_BLOCK_M else None
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: Config | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_ROWS (see `supports`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk, warps = config or default_config(block_m(m), n, k, _device_facts(x.device.index or 0)[1])
+    bm = block_m(m)
+    assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _kernel()[(-(-n // bn),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return y
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (Triton is imported only on the path that needs it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = rm[:, None] < M
+        col_ok = rn[:, None] < N
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok, other=0.0, eviction_policy="evict_first")
+            else:
+                k_ok = (k0 + rk)[None, :] < K
+                x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=row_ok & (rn[None, :] < N))
+
+    return skinny_gemm_kernel

@@ -1,0 +1,110 @@
+"""python -m harness.bench.tune_gemm --model NAME ...: measure every skinny-GEMM configuration on this GPU for the
+models' decode shapes (their projections and LM head, at 1, 2, 4, 8 and 16 rows) and write the fastest of each into
+engine/layers/skinny_gemm_tuned.json under this device's name (other devices' entries are kept), or null where
+cuBLAS is faster: the engine then keeps cuBLAS for that shape.
+
+Each configuration is checked against cuBLAS before it is timed (a wrong one would be fast for nothing), and timed
+as the bench times a GEMM (harness/bench/gemm.py: calls back to back in one CUDA graph, each over its own weight
+copy, so the weight comes from memory). The table prints the best configuration's bandwidth beside cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import skinny_gemm
+from engine.models.config import ModelConfig
+from engine.utils.hf import cached_load_hf_config
+from harness import zoo
+from harness.bench.gemm import MIN_CALLS, _time_per_call
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def decode_shapes(config: ModelConfig, tp: int = 1) -> Dict[str, Tuple[int, int]]:
+    """(N, K) of each projection a decode step runs through the skinny GEMM, at tensor-parallel size tp."""
+    d, hq, hkv = config.head_dim, config.num_qo_heads // tp, max(1, config.num_kv_heads // tp)
+    shapes = {"qkv_proj": ((hq + 2 * hkv) * d, config.hidden_size), "o_proj": (config.hidden_size, hq * d),
+              "lm_head": (-(-config.vocab_size // tp), config.hidden_size)}
+    if not config.moe_layers or not all(config.moe_layers):  # dense MLP layers (MoE experts take grouped GEMMs)
+        inter = config.intermediate_size // tp
+        shapes.update(gate_up_proj=(2 * inter, config.hidden_size), down_proj=(config.hidden_size, inter))
+    return shapes
+
+
+def _time(weight: torch.Tensor, x: torch.Tensor, fn, copies: List[torch.Tensor]) -> float:
+    return _time_per_call([lambda x, w=w: fn(x, w) for w in copies], x, max(MIN_CALLS, len(copies)))
+
+
+@torch.inference_mode()
+def tune_shape(n: int, k: int, m: int, dtype: torch.dtype, bandwidth: float) -> Dict[str, object]:
+    device = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    weight = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+    copies = [weight.clone() for _ in range(max(1, -(-4 * l2 // (weight.numel() * weight.element_size()))))]
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    ref = F.linear(x.double(), weight.double())
+    bound = 2 * (F.linear(x, weight).double() - ref).abs().max().item() + 1e-2
+    best, best_secs = None, float("inf")
+    for config in skinny_gemm.search_space(skinny_gemm.block_m(m), k):
+        err = (skinny_gemm.skinny_gemm(x, weight, config=config).double() - ref).abs().max().item()
+        if not err <= bound:
+            raise AssertionError(f"skinny GEMM {config} at M={m} N={n} K={k}: error {err:.3g} > {bound:.3g}")
+        secs = _time(weight, x, lambda x, w, c=config: skinny_gemm.skinny_gemm(x, w, config=c), copies)
+        if secs < best_secs:
+            best, best_secs = config, secs
+    cublas = _time(weight, x, F.linear, copies)
+    nbytes = weight.numel() * weight.element_size()
+    # the entry: the fastest configuration, or None (cuBLAS) where cuBLAS is faster
+    return {"M": m, "N": n, "K": k, "config": list(best) if best_secs < cublas else None, "best": list(best),
+            "us": best_secs * 1e6, "cublas_us": cublas * 1e6,
+            "fraction": nbytes / best_secs / bandwidth, "cublas_fraction": nbytes / cublas / bandwidth}
+
+
+def main(argv: List[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.bench.tune_gemm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", action="append", required=True, choices=list(zoo.MODELS))
+    p.add_argument("--tp", type=int, default=1, help="the shapes of one rank at this tensor-parallel size")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--json", help="also write the measured rows here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or not skinny_gemm.available():
+        print("error: tune_gemm needs a CUDA device and Triton", file=sys.stderr)
+        return 2
+    from harness.bench.limits import measure_limits
+
+    dtype = getattr(torch, args.dtype)
+    bandwidth = measure_limits(torch.device("cuda"), dtype).bandwidth
+    shapes = sorted({s for name in args.model
+                     for s in decode_shapes(ModelConfig.from_hf(cached_load_hf_config(str(zoo.prepare(name)))),
+                                            args.tp).values()})
+    rows, start = [], time.perf_counter()
+    for i, (n, k) in enumerate(shapes):
+        for m in ROWS:
+            rows.append(tune_shape(n, k, m, dtype, bandwidth))
+            r = rows[-1]
+            print(f"[{i + 1}/{len(shapes)}] M={m:2d} N={n:6d} K={k:5d} {tuple(r['best'])}: {r['us']:7.2f} us "
+                  f"({100 * r['fraction']:3.0f}% of {bandwidth / 1e12:.2f} TB/s), cuBLAS {r['cublas_us']:7.2f} us "
+                  f"({100 * r['cublas_fraction']:3.0f}%) -> {'skinny' if r['config'] else 'cuBLAS'}  [{time.perf_counter() - start:.0f} s]", flush=True)
+    name = torch.cuda.get_device_properties(0).name
+    table = json.loads(skinny_gemm.TABLE.read_text()) if skinny_gemm.TABLE.exists() else {}
+    entries = table.setdefault(name, {})
+    entries.update({f"{r['M']},{r['N']},{r['K']}": r["config"] for r in rows})
+    table[name] = dict(sorted(entries.items(), key=lambda kv: tuple(map(int, kv[0].split(",")))))
+    skinny_gemm.TABLE.write_text(json.dumps(table, indent=1) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "bandwidth": bandwidth, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {len(rows)} entries for {name} to {skinny_gemm.TABLE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

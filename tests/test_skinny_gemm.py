@@ -1,0 +1,104 @@
+"""The skinny GEMM (engine/layers/skinny_gemm.py) against a float64 product: hypothesis searches shapes, bias and
+configurations (on the CPU through Triton's interpreter); on the GPU also every configuration the tuner may pick, the
+row independence that graph padding relies on, and the fused ops' dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.layers import skinny_gemm as sg
+
+pytestmark = pytest.mark.skipif(not sg.available(), reason="needs Triton")
+
+
+def _ulp_bound(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of the output dtype at |ref| (a rounding of either direction), plus fp32's
+    accumulation error."""
+    mant = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - mant) + 1e-5 * ref.abs() + 1e-6
+
+
+def _check(m: int, n: int, k: int, bias: bool, config: sg.Config, device: str, dtype=torch.bfloat16,
+           seed: int = 0) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    y = sg.skinny_gemm(x, w, b, config=config)
+    assert y.shape == (m, n) and y.dtype == dtype
+    err = (y.double() - ref).abs()
+    bound = _ulp_bound(ref, dtype)
+    worst = (err / bound).argmax()
+    assert (err <= bound).all(), (f"M={m} N={n} K={k} bias={bias} {config}: error {err.flatten()[worst]:.3g} at "
+                                  f"{divmod(int(worst), n)} > one ulp {bound.flatten()[worst]:.3g}")
+
+
+@st.composite
+def _cases(draw):
+    m = draw(st.integers(1, sg.MAX_ROWS))
+    k = draw(st.one_of(st.integers(1, 1100), st.sampled_from([128, 512, 576, 1024])))
+    config = draw(st.sampled_from(sg.search_space(sg.block_m(m), k)))
+    return m, draw(st.integers(1, 70)), k, draw(st.booleans()), config
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=_cases(), seed=st.integers(0, 2 ** 16))
+def test_kernel_matches_float64(case, seed):
+    """On the GPU, or on the CPU through Triton's interpreter (conftest sets TRITON_INTERPRET without CUDA; its
+    fp32 -> bf16 cast truncates, within the one-ulp bound)."""
+    _check(*case, device="cuda" if torch.cuda.is_available() else "cpu", seed=seed)
+
+
+def test_search_space_and_rule_fit_the_registers():
+    for bm in (1, 2, 4, 8, 16):
+        for k in (64, 576, 4096):
+            space = sg.search_space(bm, k)
+            assert space and all(sg.fits(bm, c) for c in space)
+            for n in (128, 1024, 151936):
+                assert sg.fits(bm, sg.default_config(bm, n, k, sms=132))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (960, 576), (151936, 1024), (100, 70)])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_every_configuration_matches_float64(m, n, k):
+    for config in sg.search_space(sg.block_m(m), k):
+        _check(m, n, k, bias=n == 960, config=config, device="cuda", seed=m)
+
+
+@pytest.mark.cuda
+def test_rows_do_not_depend_on_the_padding_rows():
+    """A decode batch padded to a graph size computes its real rows bit for bit as the unpadded batch."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    w = torch.randn(2048, 1024, generator=gen).cuda().bfloat16()
+    x = torch.randn(16, 1024, generator=gen).cuda().bfloat16()
+    for m, padded in ((3, 4), (5, 8), (9, 16)):
+        assert torch.equal(sg.skinny_gemm(x[:m], w), sg.skinny_gemm(x[:padded], w)[:m])
+
+
+@pytest.mark.cuda
+def test_fused_ops_take_few_rows_where_the_table_or_rule_says_and_match_cublas():
+    from engine.layers.ops import FlashInferOps
+
+    pytest.importorskip("flashinfer")
+    ops = FlashInferOps()
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 4, 16, 17):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        config = sg.choose(x, w)
+        measured = sg._table(torch.cuda.get_device_name()).get(f"{sg.block_m(m)},1024,512", "none")
+        if m > sg.MAX_ROWS:
+            assert config is None
+        elif measured != "none":  # the device's table decides
+            assert config == measured
+        else:
+            assert (config is not None) == (sg.block_m(m) <= sg.DEFAULT_MAX_BLOCK_M)
+        expect = F.linear(x, w) if config is None else sg.skinny_gemm(x, w, config=config)
+        assert torch.equal(ops.linear(x, w), expect)
+        torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=0.05, rtol=0.02)
+    assert sg.choose(torch.randn(512, 4, device="cuda", dtype=torch.bfloat16).t(), w) is None  # K not unit-stride
