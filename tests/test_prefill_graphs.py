@@ -30,8 +30,10 @@ def make(model: str, prefill_graph_tokens: int, **kw) -> Engine:
                                use_dummy_weight=not zoo.MODELS[model].has_weights, **kw))
 
 
-def prefill(engine: Engine, prompts: List[List[int]], prefix_lens: List[int] | None) -> Tuple[Dict, torch.Tensor, int]:
-    """(log-probabilities at every prompt position, the pool without the dummy page, prefill graph replays)."""
+def prefill(engine: Engine, prompts: List[List[int]], prefix_lens: List[int] | None,
+            kv: bool = True) -> Tuple[Dict, torch.Tensor | None, int]:
+    """(log-probabilities at every prompt position, a copy of the pool without the dummy page (kv=False: None, for
+    an engine whose pool fills the GPU), prefill graph replays)."""
     seen: Dict = {}
     replays = [0]
     runner_replay = engine.graph_runner.replay
@@ -50,7 +52,7 @@ def prefill(engine: Engine, prompts: List[List[int]], prefix_lens: List[int] | N
     finally:
         del engine.graph_runner.replay
     torch.cuda.synchronize()
-    return seen, engine.kv_cache._kv[:, :, : engine.num_pages].clone(), replays[0]
+    return seen, engine.kv_cache._kv[:, :, : engine.num_pages].clone() if kv else None, replays[0]
 
 
 def prompts_of(lengths: List[int]) -> List[List[int]]:
@@ -103,7 +105,7 @@ def test_captures_fit_the_reserve_and_the_driver_uses_them():
         print(f"graphs took {runner.memory_used / 2**20:.1f} MiB, reserved for them {eng.reserve.graphs / 2**20:.1f}"
               f" MiB (activations {eng.reserve.activations / 2**20:.1f} MiB)")
         assert 0 < runner.memory_used <= eng.reserve.graphs
-        _, _, replays = prefill(eng, prompts_of([1000]), None)
+        _, _, replays = prefill(eng, prompts_of([1000]), None, kv=False)
         assert replays == 1
     finally:
         eng.shutdown()

@@ -26,8 +26,9 @@ def _shapes(engine: Any) -> List[tuple]:
     """(name, module or weight, bias) for each GEMM of a decode step: layer 0's projections and the LM head."""
     layer, model = engine.model.model.layers[0], engine.model
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    modules = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-               ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+    modules = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
+    if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP (MoE experts run grouped GEMMs, not these)
+        modules += [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
     return [(name, m.weight, getattr(m, "bias", None)) for name, m in modules] + [("lm_head", head, None)]
 
 
