@@ -4,6 +4,7 @@ terminal tables."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import shlex
@@ -64,6 +65,17 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def source_sha256() -> str:
+    """A digest of the code that made a figure (engine/ and harness/ sources and the skinny GEMM's table): checkable
+    on any checkout, where a commit id alone can be stale (a tree copied to a GPU machine without its .git)."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([*root.glob("engine/**/*.py"), *root.glob("harness/**/*.py"), *root.glob("engine/**/*.json")])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _command() -> str:
     prog = Path(sys.argv[0])
     head = ["python", "-m", prog.parent.name] if prog.name == "__main__.py" else [prog.name]
@@ -84,6 +96,7 @@ def provenance(device: str, **extra: Any) -> Dict[str, Any]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "git_commit": _git_commit(),
+        "source_sha256": source_sha256(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
