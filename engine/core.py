@@ -176,6 +176,10 @@ def set_global_ctx(ctx: Context | None) -> None:
     _GLOBAL_CTX = ctx
 
 
+def has_global_ctx() -> bool:
+    return _GLOBAL_CTX is not None
+
+
 def get_global_ctx() -> Context:
     assert _GLOBAL_CTX is not None, "no Engine is live in this process"
     return _GLOBAL_CTX

@@ -13,7 +13,7 @@ import torch
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
-from engine.core import Batch, Context, Req, set_global_ctx
+from engine.core import Batch, Context, Req, has_global_ctx, set_global_ctx
 from engine.distributed import (destroy_process_groups, div_even, init_process_groups, set_tp_info,
                                 tp_broadcast, tp_min_over_ranks)
 from engine.graph import GraphRunner, token_buckets
@@ -50,6 +50,10 @@ class Engine:
             raise
 
     def _init(self, config: EngineConfig) -> None:
+        # refused before anything process-wide changes: a live engine's context, stream, TP state stay its own
+        if has_global_ctx():
+            raise RuntimeError("an Engine is already live in this process: call its shutdown() first")
+        self._owns_process_state = True  # from here on, shutdown() resets the process-wide state
         set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
         self.config = config = _adjust_config(config)
         self.device = torch.device(config.device)
@@ -227,9 +231,11 @@ class Engine:
         if getattr(self, "ctx", None) is not None:
             self.ctx.kv_cache = self.ctx.page_table = self.ctx.attn_backend = None
             self.ctx.moe_backend = self.ctx.router_margins = None
-        set_global_ctx(None)
-        set_stream(None)
-        destroy_process_groups()
+        if getattr(self, "_owns_process_state", False):  # not an engine refused because another one is live
+            self._owns_process_state = False
+            set_global_ctx(None)
+            set_stream(None)
+            destroy_process_groups()
         gc.collect()
         device = getattr(self, "device", None)
         if device is not None and is_cuda(device):

@@ -168,3 +168,16 @@ def test_checkpoint_missing_an_expert(tmp_path):
 def test_bad_moe_backend(backend, message):
     with pytest.raises(ValueError, match=message):
         Engine(config(zoo.path("tiny-qwen3-moe"), moe_backend=backend))
+
+
+def test_a_second_engine_is_refused_and_the_live_one_keeps_working(engine):
+    """Starting an engine while one is live fails with a clear error, and the failed start's cleanup leaves the live
+    engine's process-wide state (global context, stream, TP groups) alone: it still generates the same tokens."""
+    from engine.core import get_global_ctx
+
+    prompt = [[1, 2, 3, 4]]
+    before = Driver(engine).generate(prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="already live"):
+        Engine(config(zoo.path("tiny-qwen3")))
+    assert get_global_ctx() is engine.ctx
+    assert Driver(engine).generate(prompt, SamplingParams(max_tokens=4)) == before

@@ -1,5 +1,6 @@
-"""The scheduling fuzzer on the CPU: a bounded search through the code the CLI runs passes; a planted driver fault is
-found, shrunk and replayed from its JSON case; cases round-trip through JSON."""
+"""The scheduling fuzzer on the CPU: a bounded search through the code the CLI runs passes; a planted driver fault and
+a planted fault in the engine's kept state are found, shrunk, reproduced on a fresh engine and replayed from their
+JSON case; cases round-trip through JSON."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_planted_fault_is_found_and_shrunk(planted_result):
     assert len(case.workload.requests) >= 2  # the fault needs a row used twice
     assert _size(case.workload) < _size(first), failure_text(case, None, planted_result.first)
     assert Case.read(planted_result.case_path) == case
+    assert case.reproduced.startswith(("alone", "on a fresh engine after")), case.reproduced
 
 
 def test_replay_reproduces_the_case(planted_result, evaluator, capsys):
@@ -69,6 +71,27 @@ def test_replay_reproduces_the_case(planted_result, evaluator, capsys):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(config=configs("cuda"), workload=workloads(49152))
 def test_cases_round_trip_through_json(config, workload, tmp_path_factory):
-    case = Case("tiny-qwen3", "cuda", config, workload, None, None, 7)
+    case = Case("tiny-qwen3", "cuda", config, workload, None, None, 7, history=(workload,), reproduced="alone")
     path = case.write(Path(tmp_path_factory.mktemp("case")) / "case.json")
     assert Case.read(path) == case
+
+
+ENGINE_STATE_FAULT = "torch-slots-keyed-on-rows"
+
+
+def test_a_fault_in_the_engines_kept_state_is_found_and_replays_on_a_fresh_engine(evaluator, tmp_path, capsys):
+    """The slot-reuse bug class on the CPU (the torch backend keeping a decode's KV slots while rows and lengths
+    repeat, across requests and cases): found, its minimal case reproduced on a newly built engine (alone, or
+    after the history it records), and `--replay` of the file fails with the fault and passes without it."""
+    evaluator.fresh()  # as the CLI starts: the search's first engine is new (seed 0 fails after about 50 cases)
+    with planted(ENGINE_STATE_FAULT):
+        result = fuzz(FuzzOptions(budget=40, seed=0, planted=ENGINE_STATE_FAULT, folder=tmp_path), evaluator)
+    case = result.case
+    assert case is not None, "the planted fault was not found"
+    assert case.failure.invariant in ("kv-reference", "logits-reference", "overlap-simple", "repeat"), case.failure
+    assert case.reproduced.startswith(("alone", "on a fresh engine after")), failure_text(case, result.case_path)
+    evaluator.host.close()  # the CLI starts engines of its own: one Engine per process
+    assert main(["fuzz", "--replay", str(result.case_path), "--plant", ENGINE_STATE_FAULT]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    _, clean = replay(result.case_path, evaluator=evaluator)
+    assert clean is None, clean

@@ -17,7 +17,7 @@ MAX_SEQ_LEN = 128  # max_seq_len of every engine of a fuzz run: far above any re
 MAX_PROMPT = 40
 MAX_NEW = 16
 MAX_REQUESTS = 8
-CASE_VERSION = 1
+CASE_VERSION = 2  # 2: the history a case needs; version 1 files (no history) are read too
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,10 @@ class Case:
     planted: str | None = None  # the planted fault that was active when it was found
     seed: int | None = None
     version: int = CASE_VERSION
+    # the cases a fresh engine runs before this one for the failure to show (the engine keeps state across cases),
+    # and how the search's last check reproduced it
+    history: Tuple[Workload, ...] = ()
+    reproduced: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
@@ -114,13 +118,17 @@ class Case:
     @classmethod
     def from_json(cls, text: str) -> "Case":
         d = json.loads(text)
-        if d.get("version") != CASE_VERSION:
-            raise ValueError(f"fuzz case version {d.get('version')!r}, this harness reads version {CASE_VERSION}")
-        w = d["workload"]
-        workload = Workload(tuple(RequestSpec(**dict(r, prompt=tuple(r["prompt"]))) for r in w["requests"]),
+        if d.get("version") not in (1, CASE_VERSION):
+            raise ValueError(f"fuzz case version {d.get('version')!r}, this harness reads versions 1 and "
+                             f"{CASE_VERSION}")
+
+        def workload(w: dict) -> Workload:
+            return Workload(tuple(RequestSpec(**dict(r, prompt=tuple(r["prompt"]))) for r in w["requests"]),
                             tuple(tuple(e) for e in w["eos"]))
-        return cls(d["model"], d["device"], FuzzConfig(**d["config"]), workload,
-                   Failure(**d["failure"]) if d["failure"] else None, d["planted"], d["seed"], d["version"])
+
+        return cls(d["model"], d["device"], FuzzConfig(**d["config"]), workload(d["workload"]),
+                   Failure(**d["failure"]) if d["failure"] else None, d["planted"], d["seed"], CASE_VERSION,
+                   tuple(workload(w) for w in d.get("history", ())), d.get("reproduced", ""))
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

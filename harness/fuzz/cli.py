@@ -18,7 +18,8 @@ DEFAULT_BUDGET = {"cpu": 60.0, "cuda": 120.0}
 
 
 def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" = None) -> tuple:
-    """Run the case in path again, every invariant (with the planted fault named, if any): (case, failure or None)."""
+    """Run the case in path again on a fresh engine, after the history it records, every invariant (with the planted
+    fault named, if any): (case, failure or None)."""
     from harness.fuzz.invariants import Evaluator
 
     case = Case.read(path)
@@ -26,6 +27,9 @@ def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" =
     evaluator = evaluator or Evaluator(case.model, case.device)
     try:
         with planted(plant):
+            evaluator.fresh()
+            for w in case.history:
+                evaluator.evaluate(case.config, w)  # the state it leaves on the engine is what the case needs
             return case, evaluator.evaluate(case.config, case.workload)
     finally:
         if own:
@@ -40,6 +44,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"note: this case was found with the planted fault {case.planted}; --plant {case.planted} plants it")
     _, failure = replay(args.replay, args.plant)
     print(f"recorded: {case.failure.invariant} in the {case.failure.stage} run" if case.failure else "recorded: pass")
+    if case.history:
+        print(f"ran first on the fresh engine: {len(case.history)} case(s) of its history (the failure was reproduced "
+              f"{case.reproduced})")
     if failure is None:
         print(f"replay of {args.replay}: every invariant holds")
         return 0

@@ -25,6 +25,7 @@ class EngineHost:
         self.model = model
         self.kwargs: Dict[str, Any] | None = None
         self.engine: Engine | None = None
+        self.builds = 0  # engines built so far: which one a case ran on
 
     def get(self, kwargs: Dict[str, Any]) -> Engine:
         if self.engine is None or kwargs != self.kwargs:
@@ -32,6 +33,7 @@ class EngineHost:
             self.engine = Engine(EngineConfig(model_path=str(zoo.path(self.model)), tp_info=DistributedInfo(0, 1),
                                               **kwargs))
             self.kwargs = kwargs
+            self.builds += 1
             # A fuzz forward is a few small ops: one thread beats a team that meets at every op (17x on a shared
             # 2-core host), and every engine of a run uses the same count, so their CPU numerics are the same.
             torch.set_num_threads(1)

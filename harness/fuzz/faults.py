@@ -5,6 +5,8 @@ the fuzzer compares with (the reference, the eager twin) run in processes of the
 - graph-plan-keyed-on-rows (CUDA): the FlashInfer graph decode as it was before issue 16's fix: its plan and its
   static page buffers are kept while (batch size, rows, page counts) repeat, so a row's next request, at the same
   page count, decodes over the previous request's freed pages and appends its K/V there.
+- torch-slots-keyed-on-rows: the same bug class in the torch backend (so the CPU can show it): a decode batch whose
+  rows and lengths repeat the last decode's reads that decode's KV slots, a row's next request its predecessor's.
 - stale-token-on-reused-row: the overlap loop does not feed a prefill's sampled token back for a request that took
   a row another request used before, so its first decode reads that row's old token.
 - pages-freed-twice-at-eos: a request that stops at EOS gives its pages back twice, so two later requests share them.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from engine.attention.flashinfer_backend import FlashInferBackend
+from engine.attention.torch_backend import TorchBackend
 from harness.driver import Driver
 
 
@@ -46,6 +49,20 @@ def _plan_graph_keeping_pages(original: Callable) -> Callable:
                              lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,
                              **self._plan_args(w))
     return plan_graph
+
+
+def _torch_slots_keyed_on_rows(original: Callable) -> Callable:
+    def prepare_metadata(self: TorchBackend, batch: Any) -> None:
+        original(self, batch)
+        if batch.phase != "decode":
+            return
+        key = (tuple(r.table_idx for r in batch.padded_reqs), tuple(r.cached_len for r in batch.padded_reqs))
+        kept = self.__dict__.get("_kept_slots")
+        if kept is not None and kept[0] == key:
+            batch.attn_metadata.kv_slots = kept[1]  # the fault: the last decode's slots, kept with the engine
+        else:
+            self._kept_slots = (key, batch.attn_metadata.kv_slots)
+    return prepare_metadata
 
 
 def _feed_back_skipping_reused_rows(original: Callable) -> Callable:
@@ -82,6 +99,9 @@ FAULTS: Dict[str, Fault] = {
         "repeat (before issue 16's fix)", "cuda",
         [(FlashInferBackend, "_page_lists", _page_lists_keyed_on_rows),
          (FlashInferBackend, "_plan_graph", _plan_graph_keeping_pages)]),
+    "torch-slots-keyed-on-rows": Fault(
+        "the torch backend keeps a decode's KV slots while (rows, lengths) repeat, across requests and workloads",
+        "any", [(TorchBackend, "prepare_metadata", _torch_slots_keyed_on_rows)]),
     "stale-token-on-reused-row": Fault(
         "the overlap loop skips feeding back the prefill token of a request in a row used before", "any",
         [(Driver, "_feed_back", _feed_back_skipping_reused_rows)]),

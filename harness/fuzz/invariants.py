@@ -52,12 +52,21 @@ class Evaluator:
         self.tolerances: Dict[str, tuple] = {}
         self.counts: Counter = Counter()
         self.seconds: Counter = Counter()  # by run: reference, main, forced, ...
+        # the engine under test keeps state across cases (plans, buffers, its pool's free list): the cases run on it
+        # since it was built, the last one included
+        self.history: List[Workload] = []
+        self._build = 0
 
     def close(self) -> None:
         self.host.close()
         for worker in (self.reference, self.eager):
             if worker is not None:
                 worker.close()
+
+    def fresh(self) -> None:
+        """The next case runs on a newly built engine under test, with no history."""
+        self.host.close()
+        self.history = []
 
     def prepare(self, config: FuzzConfig) -> int:
         """Build (or keep) every engine the configuration needs, and load its tolerance; the vocabulary size."""
@@ -81,6 +90,9 @@ class Evaluator:
         stages = set(STAGES) if only is None else {only.stage} | ({"main"} if only.invariant in COMPARISONS else set())
         self.tolerance(config.dtype)  # a missing golden is the user's to fix, not a finding: raise it here
         engine = self.host.get(config.engine_kwargs(self.device))  # an engine that cannot start is an error here
+        if self._build != self.host.builds:
+            self._build, self.history = self.host.builds, []
+        self.history.append(workload)
         self.counts["cases"] += 1
         stage = "reference"
         try:

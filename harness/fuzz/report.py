@@ -62,6 +62,10 @@ def failure_text(case: Case, path: Path | None, first: tuple | None = None) -> s
     if first is not None:
         lines.append(f"shrunk from {size(first[1])} to {size(case.workload)}")
     lines += describe(case.workload)
+    if case.reproduced:
+        lines.append(f"reproduced {case.reproduced}")
+    for i, w in enumerate(case.history):
+        lines += [f"history {i} (run first on the fresh engine): " + line for line in describe(w)]
     if path is not None:
         lines.append(f"case: {path}")
         lines.append(f"replay: python -m harness fuzz --device {case.device} --model {case.model} --replay {path}"

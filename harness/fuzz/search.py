@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from random import Random
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -92,6 +92,8 @@ class _Search:
         self.found: Dict[FuzzConfig, tuple] = {}  # config -> (workload, failure) failing like the first failure
         self.bug: tuple | None = None  # (workload, failure): the first failure, shrunk
         self.first: tuple | None = None  # (config, workload) of the first failure
+        # (config, failing workload) -> the cases its engine ran before it, since it was built
+        self.before: Dict[tuple, Tuple[Workload, ...]] = {}
         self.seconds_per_case = 1.0
 
     def _settings(self, max_examples: int) -> settings:
@@ -133,6 +135,7 @@ class _Search:
             verdict = failure is not None and failure.same_bug(first)
             if verdict:
                 self.found[config] = (workload, failure)
+                self.before[(config, workload)] = tuple(self.evaluator.history[:-1])
         self.config_verdicts[config] = verdict
         return verdict
 
@@ -171,6 +174,7 @@ class _Search:
             verdicts[workload] = failure is not None and failure.same_bug(target[0])
             if verdicts[workload]:
                 failures[workload] = failure
+                self.before[(config, workload)] = tuple(self.evaluator.history[:-1])
             self.tick(f"config {len(self.phases)}, {stats.cases} cases" + (", shrinking" if target else ""))
             return verdicts[workload]
 
@@ -190,6 +194,39 @@ class _Search:
         return False
 
 
+def reproduce(evaluator: Evaluator, config: FuzzConfig, workload: Workload, failure: Failure,
+              before: Tuple[Workload, ...], seconds: float) -> Tuple[Tuple[Workload, ...], str]:
+    """The history a newly built engine needs for the failure to show again (an engine keeps plans, buffers and its
+    pool's free list across cases), and how it showed: the case alone; else after every case its engine ran before
+    it, that history then cut down (dropping runs of cases while the failure stays) for at most `seconds`."""
+
+    def fails_after(history: Tuple[Workload, ...]) -> bool:
+        evaluator.fresh()
+        evaluator.prepare(config)
+        for w in history:
+            evaluator.evaluate(config, w)  # only the state it leaves matters here
+        again = evaluator.evaluate(config, workload, only=failure)
+        return again is not None and again.same_bug(failure)
+
+    if fails_after(()):
+        return (), "alone, on a fresh engine"
+    if not before or not fails_after(before):
+        return before, (f"not on a fresh engine, alone or after the {len(before)} cases its engine ran before it: "
+                        "the state it needs is not in the cases (it may come from the reference's or a worker's)")
+    history, chunk, end = list(before), max(1, len(before) // 2), time.monotonic() + seconds
+    while chunk >= 1 and time.monotonic() < end:  # delta debugging: drop runs of `chunk` cases, then halve
+        i, dropped = 0, False
+        while i < len(history) and time.monotonic() < end:
+            trial = tuple(history[:i] + history[i + chunk:])
+            if fails_after(trial):
+                history, dropped = list(trial), True
+            else:
+                i += chunk
+        chunk = chunk if dropped and chunk > 1 and len(history) > chunk else chunk // 2
+    return tuple(history), (f"on a fresh engine after {len(history)} of the {len(before)} cases its engine ran "
+                            "before it (not alone)")
+
+
 def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[str], None] = lambda _: None
          ) -> FuzzResult:
     """Search for the budget; the minimal failing case, if any, is written as JSON under opts.folder/cases.
@@ -202,18 +239,22 @@ def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[
     counts_before, seconds_before = dict(evaluator.counts), dict(evaluator.seconds)
     try:
         minimal_config = search.run()
+        result = FuzzResult(opts, search.phases,
+                            {k: v - counts_before.get(k, 0) for k, v in evaluator.counts.items()},
+                            {k: v - seconds_before.get(k, 0.0) for k, v in evaluator.seconds.items()},
+                            seconds=time.monotonic() - search.start, setup_seconds=search.setup)
+        if minimal_config is not None:
+            workload, failure = search.found[minimal_config]
+            history, how = reproduce(evaluator, minimal_config, workload, failure,
+                                     search.before.get((minimal_config, workload), ()), opts.budget / 2)
+            result.case = Case(opts.model, opts.device, minimal_config, workload, failure, opts.planted, opts.seed,
+                               history=history, reproduced=how)
+            result.first = search.first
+            tag = hashlib.blake2b(result.case.to_json().encode(), digest_size=4).hexdigest()
+            name = f"{opts.device.split(':')[0]}-{failure.invariant}-{tag}"
+            result.case_path = result.case.write(opts.folder / "cases" / f"{name}.json")
+            result.shrink_seconds = search._now() - search.failed_at
     finally:
         if own:
             evaluator.close()
-    result = FuzzResult(opts, search.phases, {k: v - counts_before.get(k, 0) for k, v in evaluator.counts.items()},
-                        {k: v - seconds_before.get(k, 0.0) for k, v in evaluator.seconds.items()},
-                        seconds=time.monotonic() - search.start, setup_seconds=search.setup)
-    if minimal_config is not None:
-        workload, failure = search.found[minimal_config]
-        result.case = Case(opts.model, opts.device, minimal_config, workload, failure, opts.planted, opts.seed)
-        result.first = search.first
-        tag = hashlib.blake2b(result.case.to_json().encode(), digest_size=4).hexdigest()
-        name = f"{opts.device.split(':')[0]}-{failure.invariant}-{tag}"
-        result.case_path = result.case.write(opts.folder / "cases" / f"{name}.json")
-        result.shrink_seconds = search._now() - search.failed_at
     return result

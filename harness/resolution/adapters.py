@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 from harness.resolution.faults import Family, Target
+from harness.resolution.checks import WholeRunCheck
 from harness.resolution.search import Verdict
 
 # family -> (component check, phases of its cases, the components' fault kind)
@@ -89,7 +90,7 @@ def _component_detail(result) -> str:
     return f"{result.check} {result.case}: error ratio {result.worst_ratio:.2f}"
 
 
-class FuzzCheck:
+class FuzzCheck(WholeRunCheck):
     """The fuzzer on tiny-qwen3 (its default model). The engine under test is built inside every probe (graphs
     bake some faults), the fuzzer's hypothesis database is private to the check (examples failing under a planted
     fault stay out of the user's), and the workers it compares with are kept across probes."""
@@ -115,16 +116,6 @@ class FuzzCheck:
         return (f"`harness fuzz` on {self.model}, {self.device}, seed {self.seed}, a search budget of "
                 f"{self.budget:g} s a probe (shrinking a failure takes up to half that again){cases}; detection is a "
                 "random search's: the bisection assumes it monotone")
-
-    def search_range(self, family: Family) -> Tuple[float, float]:
-        return family.e_min, family.e_max
-
-    def baseline(self) -> Verdict:
-        return self._run()
-
-    def probe(self, family: Family, e: float) -> Verdict:
-        with family.plant(e, None):
-            return self._run()
 
     def close(self) -> None:
         if self.evaluator is not None:

@@ -44,6 +44,27 @@ class Check(Protocol):
         """Release what the check holds (its engine)."""
 
 
+class WholeRunCheck:
+    """A check that runs all of itself again in every probe (`_run`), its fault planted around the whole run, over
+    each family's own search range."""
+
+    def search_range(self, family: Family) -> tuple[float, float]:
+        return family.e_min, family.e_max
+
+    def baseline(self) -> Verdict:
+        return self._run()
+
+    def probe(self, family: Family, e: float) -> Verdict:
+        with family.plant(e, None):
+            return self._run()
+
+    def close(self) -> None:
+        pass
+
+    def _run(self) -> Verdict:
+        raise NotImplementedError
+
+
 class ParityCheck:
     """harness.parity's gate for one model, device and dtype on one path, every golden prompt."""
 
@@ -157,7 +178,7 @@ def _verdict(prompts: List[PromptResult], path: PathResult, tol: float) -> Verdi
 SAMPLING_CASES = ("temperature", "top-k", "top-p", "top-k+top-p", "min_p", "per-row")
 
 
-class SamplingCheck:
+class SamplingCheck(WholeRunCheck):
     """harness.sampling's grid (exact checks and chi-square at stated power) on a subset of its cases."""
 
     target: Target = "sampler"
@@ -184,19 +205,6 @@ class SamplingCheck:
         return (f"cases {', '.join(c.name for c in self.cases)}; family alpha {s['family_alpha']}{alpha} "
                 f"(Bonferroni); the power analysis sizes each case for total variation {s['tv']} at power "
                 f"{s['power']}{draws}; seed {s['seed']}, the same draws' uniforms in every probe")
-
-    def search_range(self, family: Family) -> tuple[float, float]:
-        return family.e_min, family.e_max
-
-    def baseline(self) -> Verdict:
-        return self._run()
-
-    def probe(self, family: Family, e: float) -> Verdict:
-        with family.plant(e, None):
-            return self._run()
-
-    def close(self) -> None:
-        pass
 
     def _run(self) -> Verdict:
         from harness.sampling.run import run_grid
