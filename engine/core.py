@@ -180,6 +180,11 @@ def has_global_ctx() -> bool:
     return _GLOBAL_CTX is not None
 
 
+def forwarding_prefill() -> bool:
+    """Whether the forward under way (if any) is a prefill or extend."""
+    return _GLOBAL_CTX is not None and _GLOBAL_CTX._batch is not None and _GLOBAL_CTX._batch.is_prefill
+
+
 def get_global_ctx() -> Context:
     assert _GLOBAL_CTX is not None, "no Engine is live in this process"
     return _GLOBAL_CTX

@@ -63,6 +63,8 @@ CASES = {  # name -> (prompt lengths, prefix lengths or None, page size)
     "one bucket exactly": ([128], None, 1),
     "padded to the next bucket": ([129], None, 1),
     "short prompt": ([5], None, 1),
+    "single token (the skinny GEMM eagerly)": ([1], None, 1),
+    "an extend of 3 tokens": ([40], [37], 1),
     "three requests in one batch": ([40, 7, 300], None, 1),
     "extend over a cached prefix": ([200, 90], [150, 30], 1),
     "pages of 16, extend over a prefix": ([61, 300], [17, 256], 16),

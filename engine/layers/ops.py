@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.core import forwarding_prefill
 from engine.layers import skinny_gemm
 from engine.utils.device import has_flashinfer
 
@@ -70,8 +71,8 @@ class TorchOps:
 
 class FlashInferOps(TorchOps):
     """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
-    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and projections of at most
-    16 rows (decode) through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed, else cuBLAS."""
+    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and a decode's projections
+    of at most 16 rows through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed, else cuBLAS."""
 
     def __init__(self) -> None:
         import flashinfer
@@ -106,7 +107,9 @@ class FlashInferOps(TorchOps):
         return (self.fi.silu_and_mul if act == "silu" else self.fi.gelu_tanh_and_mul)(gate_up)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        config = skinny_gemm.choose(x, weight) if self.skinny else None
+        # decode only: a prefill of a few tokens runs eagerly at M = its tokens but in a prefill graph at its
+        # bucket's M (cuBLAS), and the two must agree bit for bit; a decode graph's M is the eager batch's bucket
+        config = skinny_gemm.choose(x, weight) if self.skinny and not forwarding_prefill() else None
         return F.linear(x, weight, bias) if config is None else skinny_gemm.skinny_gemm(x, weight, bias, config)
 
 

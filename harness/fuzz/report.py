@@ -76,14 +76,16 @@ def failure_text(case: Case, path: Path | None, first: tuple | None = None) -> s
 def summary(result: FuzzResult) -> str:
     o, c = result.options, result.counts
     search_seconds = result.seconds - result.setup_seconds - result.shrink_seconds
-    rate = 60.0 * sum(p.cases for p in result.phases) / max(search_seconds, 1e-9)
+    cases = sum(p.cases for p in result.phases)
+    rate = (f"{60.0 * cases / search_seconds:.1f} cases a minute while searching" if search_seconds >= 1.0 else
+            f"{cases} cases in under a second of search (no rate)")
     totals = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
     return "\n".join([
         f"fuzz {o.model} on {o.device}: {'PASS' if result.passed else 'FAIL'} in {result.seconds:.0f} s "
         f"(budget {o.budget:.0f} s of search, engines built in {result.setup_seconds:.0f} s"
         + (f", shrinking {result.shrink_seconds:.0f} s" if not result.passed else "")
         + f"; seed {o.seed}" + (f"; planted fault {o.planted}" if o.planted else "") + ")",
-        f"{len(result.phases)} configurations, {rate:.1f} cases a minute while searching; {totals}",
+        f"{len(result.phases)} configurations, {rate}; {totals}",
         "seconds by run: " + ", ".join(f"{k} {v:.1f}" for k, v in result.run_seconds.items()),
     ])
 
