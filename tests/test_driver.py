@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
@@ -61,11 +64,58 @@ def test_pages_are_returned(engine):
     assert len(driver.free_rows) == engine.config.max_running_req and not driver.row_pages
 
 
-def test_leak_check_catches_a_leak():
-    pages = PageAllocator(8)
-    pages.alloc(2)
-    with pytest.raises(AssertionError, match="KV pages leaked: 6 of 8 free"):
-        pages.check_no_leak()
+class AllocatorMachine(RuleBasedStateMachine):
+    """PageAllocator under any interleaving of allocations, frees, double frees and leak checks, against a model of
+    which pages are held: pages are never handed out twice while held, and check_no_leak passes exactly when
+    nothing is held and nothing was freed twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num = 12
+        self.pages = PageAllocator(self.num)
+        self.holders: list = []  # each allocation still held, as the allocator handed it out
+        self.freed: list = []  # allocations given back (a second free of one is a double free)
+        self.double = False
+
+    @rule(n=st.integers(0, 5))
+    def alloc(self, n):
+        if n <= len(self.pages.free_pages) and not self.double:
+            got = self.pages.alloc(n)
+            held = {p for h in self.holders for p in h}
+            assert not held & set(got) and len(set(got)) == n
+            if got:
+                self.holders.append(got)
+
+    @precondition(lambda self: self.holders)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        got = self.holders.pop(i % len(self.holders))
+        self.pages.free(got)
+        self.freed.append(got)
+
+    @precondition(lambda self: any(self.freed))
+    @rule(i=st.integers(0, 100))
+    def free_twice(self, i):
+        again = [g for g in self.freed if g][i % len([g for g in self.freed if g])]
+        self.pages.free(again)
+        self.double = True
+
+    @rule()
+    def check(self):
+        if self.holders or self.double:
+            with pytest.raises(AssertionError, match="leaked or freed twice"):
+                self.pages.check_no_leak()
+        else:
+            self.pages.check_no_leak()
+
+    @invariant()
+    def counts_add_up(self):
+        if not self.double:
+            assert len(self.pages.free_pages) + sum(map(len, self.holders)) == self.num
+
+
+TestPageAllocator = AllocatorMachine.TestCase
+TestPageAllocator.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
 def test_forced_tokens_are_fed_back(engine):

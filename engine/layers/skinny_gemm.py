@@ -1,16 +1,19 @@
-"""y = x W^T (+ b) for a few rows of x (M <= 16: a decode step's projections and LM head), in Triton.
+"""y = x W^T (+ b) for a few rows of x (M <= 16: a decode step's projections), in Triton.
 
 At M = 1 a projection is a matrix-vector product: it reads the whole weight once and does two flops a weight, so its
-time is the weight's bytes over the memory bandwidth. cuBLAS's M = 1 kernels reach about a quarter of the H200's
-bandwidth on a 0.6B model's layer shapes; this kernel gives each program BLOCK_N rows of W and walks K in BLOCK_K
-steps, so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512, enough programs
-to fill the GPU without a second reduction kernel). Products accumulate in fp32 per lane and are reduced once at the
-end; the result is rounded once to the model dtype, the bias added in fp32 first, as cuBLAS's epilogue does.
+time is the weight's bytes over the memory bandwidth. cuBLAS's M = 1 kernels reach 8-41% of the H200's bandwidth on
+a 0.6B model's layer shapes (reports/bench/skinny-gemm-h200.md); this kernel gives each program BLOCK_N rows of W and
+walks K in BLOCK_K steps, so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512,
+enough programs to fill the GPU without a second reduction kernel). Products accumulate in fp32 per lane and are
+reduced once at the end; the result is rounded once to the model dtype, the bias added in fp32 first, as cuBLAS's
+epilogue does. It multiplies on CUDA cores, so past a few rows cuBLAS's tensor cores win.
 
-Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device
-(`python -m harness.bench.tune_gemm`, skinny_gemm_tuned.json keyed by device name and "M,N,K" with M rounded up to
-a power of two; null where cuBLAS was faster, so the kernel is used only where it pays), else from a rule. Rows are independent and each row's sum order depends only on the configuration,
-which depends only on (BLOCK_M, N, K): a batch padded to a CUDA-graph size gets the same bits as the eager batch.
+Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device (`python -m
+harness.bench.tune_gemm`: skinny_gemm_tuned.json, keyed by device name and "M,N,K" with M rounded up to a power of
+two; null where cuBLAS was faster, so the kernel runs only where it paid), else from a rule. Rows are independent and
+a row's sum order depends only on the configuration, which depends only on (BLOCK_M, N, K): a decode batch padded to
+a CUDA-graph size gets the same bits as the eager batch (a prefill graph's bucket would not: ops.py keeps prefill on
+cuBLAS).
 """
 
 from __future__ import annotations
@@ -115,10 +118,9 @@ def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: Config | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_ROWS (see `supports`)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    bn, bk, warps = config or default_config(block_m(m), n, k, _device_facts(x.device.index or 0)[1])
+    (m, k), n = x.shape, weight.shape[0]
     bm = block_m(m)
+    bn, bk, warps = config or default_config(bm, n, k, _device_facts(x.device.index or 0)[1])
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _kernel()[(-(-n // bn),)](
