@@ -97,6 +97,14 @@ class Failure:
         return (self.invariant, self.stage) == (other.invariant, other.stage)
 
 
+@dataclass(frozen=True)
+class Past:
+    """A case an engine ran before the failing one, and which of its runs: all (only None) or the runs a failure
+    needs (the search's shrinking evaluates only those, and the engine's state depends on what ran)."""
+    workload: Workload
+    only: Failure | None = None
+
+
 @dataclass
 class Case:
     model: str
@@ -109,7 +117,7 @@ class Case:
     version: int = CASE_VERSION
     # the cases a fresh engine runs before this one for the failure to show (the engine keeps state across cases),
     # and how the search's last check reproduced it
-    history: Tuple[Workload, ...] = ()
+    history: Tuple[Past, ...] = ()
     reproduced: str = ""
 
     def to_json(self) -> str:
@@ -128,7 +136,8 @@ class Case:
 
         return cls(d["model"], d["device"], FuzzConfig(**d["config"]), workload(d["workload"]),
                    Failure(**d["failure"]) if d["failure"] else None, d["planted"], d["seed"], CASE_VERSION,
-                   tuple(workload(w) for w in d.get("history", ())), d.get("reproduced", ""))
+                   tuple(Past(workload(h["workload"]), Failure(**h["only"]) if h["only"] else None)
+                         for h in d.get("history", ())), d.get("reproduced", ""))
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

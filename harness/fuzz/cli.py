@@ -28,8 +28,8 @@ def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" =
     try:
         with planted(plant):
             evaluator.fresh()
-            for w in case.history:
-                evaluator.evaluate(case.config, w)  # the state it leaves on the engine is what the case needs
+            for past in case.history:  # the state they leave on the engine is what the case needs
+                evaluator.evaluate(case.config, past.workload, only=past.only)
             return case, evaluator.evaluate(case.config, case.workload)
     finally:
         if own:

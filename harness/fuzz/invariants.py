@@ -29,7 +29,7 @@ from typing import Dict, List, Set
 
 from engine import Engine
 from harness import golden as G
-from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, RequestSpec, Workload
+from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, Past, RequestSpec, Workload
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
 from harness.fuzz.runs import Position, Reference, RunOutput, RunSpec, run_workload
 from harness.golden import TOP_K
@@ -54,7 +54,7 @@ class Evaluator:
         self.seconds: Counter = Counter()  # by run: reference, main, forced, ...
         # the engine under test keeps state across cases (plans, buffers, its pool's free list): the cases run on it
         # since it was built, the last one included
-        self.history: List[Workload] = []
+        self.history: List[Past] = []
         self._build = 0
 
     def close(self) -> None:
@@ -92,7 +92,7 @@ class Evaluator:
         engine = self.host.get(config.engine_kwargs(self.device))  # an engine that cannot start is an error here
         if self._build != self.host.builds:
             self._build, self.history = self.host.builds, []
-        self.history.append(workload)
+        self.history.append(Past(workload, only))
         self.counts["cases"] += 1
         stage = "reference"
         try:

@@ -64,8 +64,9 @@ def failure_text(case: Case, path: Path | None, first: tuple | None = None) -> s
     lines += describe(case.workload)
     if case.reproduced:
         lines.append(f"reproduced {case.reproduced}")
-    for i, w in enumerate(case.history):
-        lines += [f"history {i} (run first on the fresh engine): " + line for line in describe(w)]
+    for i, past in enumerate(case.history):
+        runs = f", only the runs for {past.only.invariant} in {past.only.stage}" if past.only else ""
+        lines += [f"history {i} (run first on the fresh engine{runs}): " + line for line in describe(past.workload)]
     if path is not None:
         lines.append(f"case: {path}")
         lines.append(f"replay: python -m harness fuzz --device {case.device} --model {case.model} --replay {path}"

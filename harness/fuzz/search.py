@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import NoSuchExample
 
-from harness.fuzz.case import Case, Failure, FuzzConfig, Workload
+from harness.fuzz.case import Case, Failure, FuzzConfig, Past, Workload
 from harness.fuzz.invariants import Evaluator
 from harness.fuzz.strategies import configs, dtypes, workloads
 from harness.report import REPO_ROOT
@@ -93,7 +93,7 @@ class _Search:
         self.bug: tuple | None = None  # (workload, failure): the first failure, shrunk
         self.first: tuple | None = None  # (config, workload) of the first failure
         # (config, failing workload) -> the cases its engine ran before it, since it was built
-        self.before: Dict[tuple, Tuple[Workload, ...]] = {}
+        self.before: Dict[tuple, Tuple[Past, ...]] = {}
         self.seconds_per_case = 1.0
 
     def _settings(self, max_examples: int) -> settings:
@@ -194,31 +194,42 @@ class _Search:
         return False
 
 
-def reproduce(evaluator: Evaluator, config: FuzzConfig, workload: Workload, failure: Failure,
-              before: Tuple[Workload, ...], seconds: float) -> Tuple[Tuple[Workload, ...], str]:
+def reproduce(evaluator: Evaluator, config: FuzzConfig, workload: Workload,
+              before: Tuple[Past, ...], seconds: float) -> Tuple[Tuple[Past, ...], str]:
     """The history a newly built engine needs for the failure to show again (an engine keeps plans, buffers and its
-    pool's free list across cases), and how it showed: the case alone; else after every case its engine ran before
-    it, that history then cut down (dropping runs of cases while the failure stays) for at most `seconds`."""
+    pool's free list across cases), and how it showed: the case alone; else after the shortest suffix of the cases
+    its engine ran before it that brings it back, cut down by delta debugging; at most `seconds` of trials."""
 
-    def fails_after(history: Tuple[Workload, ...]) -> bool:
+    def fails_after(history: Tuple[Past, ...]) -> bool:
+        """Whether the case fails as `--replay` runs it: on a fresh engine, after the history's cases (each with the
+        runs it had), every run of it (the runs change the engine's state too, so the failure may show in another
+        run than the search's)."""
         evaluator.fresh()
         evaluator.prepare(config)
-        for w in history:
-            evaluator.evaluate(config, w)  # only the state it leaves matters here
-        again = evaluator.evaluate(config, workload, only=failure)
-        return again is not None and again.same_bug(failure)
+        for past in history:
+            evaluator.evaluate(config, past.workload, only=past.only)  # only the state it leaves matters
+        return evaluator.evaluate(config, workload) is not None
 
     if fails_after(()):
         return (), "alone, on a fresh engine"
-    if not before or not fails_after(before):
+    # the state a case needs was most likely left by the cases just before it: the shortest failing suffix of the
+    # history (1, 2, 4, ... cases back), then delta debugging within it (dropping runs of cases while it fails)
+    end, n, suffix = time.monotonic() + seconds, 1, None
+    while suffix is None and time.monotonic() < end:
+        if fails_after(before[-n:]):
+            suffix = list(before[-n:])
+        elif n >= len(before):
+            break
+        n = min(2 * n, len(before))
+    if suffix is None:
         return before, (f"not on a fresh engine, alone or after the {len(before)} cases its engine ran before it: "
                         "the state it needs is not in the cases (it may come from the reference's or a worker's)")
-    history, chunk, end = list(before), max(1, len(before) // 2), time.monotonic() + seconds
-    while chunk >= 1 and time.monotonic() < end:  # delta debugging: drop runs of `chunk` cases, then halve
+    history, chunk = suffix, max(1, len(suffix) // 2)
+    while len(history) > 1 and chunk >= 1 and time.monotonic() < end:
         i, dropped = 0, False
-        while i < len(history) and time.monotonic() < end:
+        while i < len(history) and len(history) > 1 and time.monotonic() < end:
             trial = tuple(history[:i] + history[i + chunk:])
-            if fails_after(trial):
+            if trial and fails_after(trial):
                 history, dropped = list(trial), True
             else:
                 i += chunk
@@ -245,7 +256,7 @@ def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[
                             seconds=time.monotonic() - search.start, setup_seconds=search.setup)
         if minimal_config is not None:
             workload, failure = search.found[minimal_config]
-            history, how = reproduce(evaluator, minimal_config, workload, failure,
+            history, how = reproduce(evaluator, minimal_config, workload,
                                      search.before.get((minimal_config, workload), ()), opts.budget / 2)
             result.case = Case(opts.model, opts.device, minimal_config, workload, failure, opts.planted, opts.seed,
                                history=history, reproduced=how)
