@@ -8,8 +8,8 @@ writes no copies of q and k.
 Numerics that differ on the fused path, each within bf16 rounding: RMSNorm multiplies the weight in fp32 before one
 rounding (HF Llama casts first), fused_add_rmsnorm normalizes the unrounded sum, RoPE rotates HF's rounded cos/sin in
 fp32 and rounds once (HF rounds after each product), the gated activations round once, the skinny GEMM sums in
-fp32 in its own order (cuBLAS's is another). Gemma's per-head q/k norms
-stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form).
+fp32 in its own order (cuBLAS's is another). Gemma's per-head q/k norms stay on the reference path (FlashInfer's
+gemma_rmsnorm has no [N, H, D] form).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class TorchOps:
 class FlashInferOps(TorchOps):
     """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
     [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and a decode's projections
-    of at most 16 rows through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed, else cuBLAS."""
+    of at most 16 rows through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed."""
 
     def __init__(self) -> None:
         import flashinfer

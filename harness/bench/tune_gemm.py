@@ -92,7 +92,8 @@ def main(argv: List[str] | None = None) -> int:
             r = rows[-1]
             print(f"[{i + 1}/{len(shapes)}] M={m:2d} N={n:6d} K={k:5d} {tuple(r['best'])}: {r['us']:7.2f} us "
                   f"({100 * r['fraction']:3.0f}% of {bandwidth / 1e12:.2f} TB/s), cuBLAS {r['cublas_us']:7.2f} us "
-                  f"({100 * r['cublas_fraction']:3.0f}%) -> {'skinny' if r['config'] else 'cuBLAS'}  [{time.perf_counter() - start:.0f} s]", flush=True)
+                  f"({100 * r['cublas_fraction']:3.0f}%) -> {'skinny' if r['config'] else 'cuBLAS'}  "
+                  f"[{time.perf_counter() - start:.0f} s]", flush=True)
     name = torch.cuda.get_device_properties(0).name
     table = json.loads(skinny_gemm.TABLE.read_text()) if skinny_gemm.TABLE.exists() else {}
     entries = table.setdefault(name, {})
