@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,8 @@ def decode_shapes(config: ModelConfig, tp: int = 1) -> Dict[str, Tuple[int, int]
     return shapes
 
 
-def _time(weight: torch.Tensor, x: torch.Tensor, fn, copies: List[torch.Tensor]) -> float:
+def _time(x: torch.Tensor, fn: Callable, copies: List[torch.Tensor]) -> float:
+    """Seconds per call of fn(x, w), cycling over the weight copies (harness/bench/gemm.py's timing)."""
     return _time_per_call([lambda x, w=w: fn(x, w) for w in copies], x, max(MIN_CALLS, len(copies)))
 
 
@@ -57,10 +58,10 @@ def tune_shape(n: int, k: int, m: int, dtype: torch.dtype, bandwidth: float) -> 
         err = (skinny_gemm.skinny_gemm(x, weight, config=config).double() - ref).abs().max().item()
         if not err <= bound:
             raise AssertionError(f"skinny GEMM {config} at M={m} N={n} K={k}: error {err:.3g} > {bound:.3g}")
-        secs = _time(weight, x, lambda x, w, c=config: skinny_gemm.skinny_gemm(x, w, config=c), copies)
+        secs = _time(x, lambda x, w, c=config: skinny_gemm.skinny_gemm(x, w, config=c), copies)
         if secs < best_secs:
             best, best_secs = config, secs
-    cublas = _time(weight, x, F.linear, copies)
+    cublas = _time(x, F.linear, copies)
     nbytes = weight.numel() * weight.element_size()
     # the entry: the fastest configuration, or None (cuBLAS) where cuBLAS is faster
     return {"M": m, "N": n, "K": k, "config": list(best) if best_secs < cublas else None, "best": list(best),
