@@ -79,14 +79,18 @@ GEMMA_PLANTED = {  # Gemma 3 features the other models lack
 }
 
 
-@pytest.mark.parametrize("bug", list(GEMMA_PLANTED))
-def test_planted_gemma_bug_is_caught(monkeypatch, bug, tmp_path):
-    target, name, fn = GEMMA_PLANTED[bug]
-    where = ("tiny-gemma3", "cpu", "float32")
+def _batch_parity_with(monkeypatch, tmp_path, model: str, planted: tuple):
+    """Parity's batch path on the CPU with (target, attribute, replacement) planted, against a copy of the golden."""
+    target, name, fn = planted
+    where = (model, "cpu", "float32")
     shutil.copytree(G.golden_dir(*where), G.golden_dir(*where, root=tmp_path))
     monkeypatch.setattr(target, name, fn)
-    result = run_parity("tiny-gemma3", paths=["batch"], golden_root=tmp_path)
-    assert not result.passed
+    return run_parity(model, paths=["batch"], golden_root=tmp_path)
+
+
+@pytest.mark.parametrize("bug", list(GEMMA_PLANTED))
+def test_planted_gemma_bug_is_caught(monkeypatch, bug, tmp_path):
+    assert not _batch_parity_with(monkeypatch, tmp_path, "tiny-gemma3", GEMMA_PLANTED[bug]).passed
 
 
 def _moe_config_with(**fields):
@@ -125,11 +129,7 @@ MOE_PLANTED = {
 
 @pytest.mark.parametrize("bug", list(MOE_PLANTED))
 def test_planted_moe_bug_is_caught(monkeypatch, bug, tmp_path):
-    target, name, fn = MOE_PLANTED[bug]
-    where = ("tiny-qwen3-moe", "cpu", "float32")
-    shutil.copytree(G.golden_dir(*where), G.golden_dir(*where, root=tmp_path))
-    monkeypatch.setattr(target, name, fn)
-    result = run_parity("tiny-qwen3-moe", paths=["batch"], golden_root=tmp_path)
+    result = _batch_parity_with(monkeypatch, tmp_path, "tiny-qwen3-moe", MOE_PLANTED[bug])
     print(f"{bug}: {[p.reason for p in result.prompts if not p.passed][:2]}")
     assert not result.passed
 

@@ -106,9 +106,15 @@ def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
     device's measured entry for (BLOCK_M, N, K) (null where cuBLAS won), else the rule up to DEFAULT_MAX_BLOCK_M."""
     if not supports(x, weight):
         return None
-    (m, k), n = x.shape, weight.shape[0]
-    name, sms = _device_facts(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    bm, table = block_m(m), _table(name)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _choice(block_m(x.shape[0]), weight.shape[0], x.shape[1], index)
+
+
+@functools.cache
+def _choice(bm: int, n: int, k: int, device_index: int) -> Config | None:
+    """choose's answer, once per shape and device (every eager decode asks it for every projection)."""
+    name, sms = _device_facts(device_index)
+    table = _table(name)
     key = f"{bm},{n},{k}"
     if key in table:
         return table[key]

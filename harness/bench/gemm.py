@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.bench.limits import Limits
+from harness.bench.profile import replay_seconds
 from harness.report import markdown_table
 
 MIN_CALLS = 24  # calls per graph replay
@@ -53,15 +54,7 @@ def _time_per_call(calls: List[Callable[[torch.Tensor], Any]], x: torch.Tensor, 
         for i in range(n):
             calls[i % len(calls)](x)
     graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / n)
-    return statistics.median(times)
+    return statistics.median(replay_seconds(graph, REPLAYS)) / n
 
 
 @torch.inference_mode()

@@ -30,14 +30,8 @@ class ReplayProfile:
     top_kernels: List[Dict[str, Any]] = field(default_factory=list)  # name, per step count, GPU us per step
 
 
-def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) -> ReplayProfile | None:
-    """Replay the decode graph of size bs as the last step left it (same page lists, same lengths) on the engine's
-    stream. None when no graph has that size."""
-    graph = engine.graph_runner.graphs.get(bs)
-    if graph is None:
-        return None
-    for _ in range(3):
-        graph.replay()
+def replay_seconds(graph: Any, repeats: int) -> List[float]:
+    """GPU seconds of each of `repeats` replays of a CUDA graph, timed with CUDA events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,6 +40,18 @@ def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) -> ReplayProfile | None:
+    """Replay the decode graph of size bs as the last step left it (same page lists, same lengths) on the engine's
+    stream. None when no graph has that size."""
+    graph = engine.graph_runner.graphs.get(bs)
+    if graph is None:
+        return None
+    for _ in range(3):
+        graph.replay()
+    times = replay_seconds(graph, repeats)
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
