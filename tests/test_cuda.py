@@ -184,7 +184,9 @@ def test_padded_rows_write_only_the_dummy_page_in_every_step(overlap):
 
 
 def test_fused_ops_match_the_torch_reference_on_strided_views():
-    """Each FlashInfer op against its torch definition on random bf16 data, q/k/v as views of one projection."""
+    """Each fused op against its torch definition on random bf16 data, q/k/v as views of one projection."""
+    from engine.kvcache import KVCachePool
+    from engine.layers.norm import RMSNorm
     from engine.layers.ops import FlashInferOps, TorchOps
     from engine.layers.rotary import RotaryEmbedding
     from engine.models.config import RotaryConfig
@@ -202,15 +204,22 @@ def test_fused_ops_match_the_torch_reference_on_strided_views():
                              ref.add_rmsnorm(x.clone(), r.clone(), weight, 1e-6, offset)):
             torch.testing.assert_close(got.float(), want.float(), **close)
     qkv = torch.randn(37, (16 + 2 * 8) * 128, **bf16)
-    a, b = qkv.clone(), qkv.clone()
-    for ops, t in ((ref, a), (fused, b)):
+    out_loc = torch.randperm(64, device="cuda")[:37]
+    norms = [RMSNorm(128, 1e-6, 0.0, ref) for _ in range(2)]
+    for norm, weight in zip(norms, (1 + w[:128], 1 + w[128:256])):
+        norm.weight.data = weight
+    results = []
+    for ops in (ref, fused):  # the fused path: one Triton kernel, or FlashInfer's norm and RoPE without Triton
+        t, pool = qkv.clone(), KVCachePool(2, 65, 1, 8, 128, torch.device("cuda"), torch.bfloat16)
         q, kv = t[:, :2048].view(37, 16, 128), t[:, 2048:].view(37, 2, 8, 128)
-        ops.head_rmsnorm_(q, 1 + w[:128], 1e-6, 0.0)
-        ops.head_rmsnorm_(kv[:, 0], 1 + w[128:256], 1e-6, 0.0)
         rope = RotaryEmbedding(RotaryConfig(128, 4096, 1e6, None), 4096, torch.bfloat16, torch.device("cuda"), ops)
-        rope.forward_(torch.arange(3000, 3037, device="cuda", dtype=torch.int32), q, kv[:, 0])
-    assert torch.equal(b[:, 3072:], qkv[:, 3072:])  # v untouched
-    torch.testing.assert_close(b.float(), a.float(), **close)
+        ops.qk_rope_store_(torch.arange(3000, 3037, device="cuda", dtype=torch.int32), q, kv, rope.table, norms,
+                           pool, 1, out_loc)
+        results.append((q, pool.k_cache(1).view(-1, 8, 128)[out_loc], pool.v_cache(1).view(-1, 8, 128)[out_loc]))
+        assert not pool._kv[:, 0].any()  # the other layer untouched
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got.float(), want.float(), **close)
+    assert torch.equal(results[1][2], qkv[:, 3072:].view(37, 8, 128))  # V stored as it came
     gate_up = torch.randn(37, 2 * 3072, **bf16)
     for act in ("silu", "gelu_tanh"):
         torch.testing.assert_close(fused.act_and_mul(gate_up, act).float(), ref.act_and_mul(gate_up, act).float(),

@@ -11,7 +11,7 @@ import torch
 
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.core import get_global_ctx
-from engine.layers.ops import FlashInferOps
+from engine.layers import qk_rope_store
 from harness import golden as G
 from harness.compare import compare_row
 from harness.parity.gate import dist_limits, evaluate, golden_row, tie_tolerance, tolerance
@@ -45,30 +45,29 @@ def _graph_decode_scale(original: Callable) -> Callable:
 
 def _paged_keys_in_fp8(original: Callable) -> Callable:
     """Numerics HF does not have: with pages of 16 tokens, keys are stored through fp8 (e4m3)."""
-    def store(self, kv, paged, batch):
+    def store(positions, q, kv, table, q_weight, k_weight, eps, k_pool, v_pool, out_loc):
+        original(positions, q, kv, table, q_weight, k_weight, eps, k_pool, v_pool, out_loc)
         if get_global_ctx().page_size > 1:
-            kv = kv.clone()
-            kv[:, 0] = kv[:, 0].to(torch.float8_e4m3fn).to(kv.dtype)
-        return original(self, kv, paged, batch)
+            k_pool[out_loc] = k_pool[out_loc].to(torch.float8_e4m3fn).to(k_pool.dtype)
     return store
 
 
 def _rope_positions_in_bf16(original: Callable) -> Callable:
     """Numerics HF does not have: positions rounded to bf16 before the rotary lookup (exact up to 256), in the
     single-request path's batches of one."""
-    def rope(self, positions, q, k, table):
+    def store(positions, *args):
         if len(get_global_ctx().batch.reqs) == 1:
             positions = positions.to(torch.bfloat16).to(positions.dtype)
-        return original(self, positions, q, k, table)
-    return rope
+        return original(positions, *args)
+    return store
 
 
-FAULTS: Dict[str, tuple] = {  # name -> (class, attribute, wrapper, the one path it lives on)
+FAULTS: Dict[str, tuple] = {  # name -> (owner, attribute, wrapper, the one path it lives on)
     "extend misses its newest key": (FlashInferBackend, "_page_lists", _extend_misses_its_newest_key, "prefix"),
     "decode graphs with 1.25 x the softmax scale": (FlashInferBackend, "prepare_for_capture", _graph_decode_scale,
                                                     "batch"),
-    "paged keys through fp8": (FlashInferBackend, "_store", _paged_keys_in_fp8, "paged"),
-    "rope positions rounded to bf16": (FlashInferOps, "rope_", _rope_positions_in_bf16, "single"),
+    "paged keys through fp8": (qk_rope_store, "qk_rope_store", _paged_keys_in_fp8, "paged"),
+    "rope positions rounded to bf16": (qk_rope_store, "qk_rope_store", _rope_positions_in_bf16, "single"),
 }
 
 

@@ -11,8 +11,7 @@ import torch
 from engine.attention import torch_backend
 from engine.core import get_global_ctx
 from engine.kvcache import KVCachePool
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.ops import TorchOps
 from engine.models import weights
 from engine.models.config import ModelConfig
 from engine.moe.base import MoEBackend
@@ -31,9 +30,9 @@ def test_engine_matches_committed_goldens(model):
     assert result.passed, write_report(result, write_files=False)
 
 
-def _decode_rotary_off_by_one(self, positions, q, k):
+def _decode_rotary_off_by_one(self, positions, q, k, table):
     # RoPE is shift-invariant: only a shift between prefill and decode changes anything
-    return ROTARY(self, positions + int(get_global_ctx().batch.is_decode), q, k)
+    return ROPE(self, positions + int(get_global_ctx().batch.is_decode), q, k, table)
 
 
 def _kv_heads_swapped(self, kv, out_loc, layer_id):
@@ -44,17 +43,17 @@ def _kv_written_one_slot_late(self, kv, out_loc, layer_id):
     return STORE(self, kv, out_loc + 1, layer_id)
 
 
-def _qk_norm_weight_ignored(self, x):
+def _qk_norm_weight_ignored(self, x, weight, eps, offset):
     h = x.float()
-    x.copy_((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype))
+    x.copy_((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
 
-ROTARY, STORE = RotaryEmbedding.forward_, KVCachePool.store_kv
+ROPE, STORE = TorchOps.rope_, KVCachePool.store_kv
 PLANTED = {
-    "decode rotary position off by one": (RotaryEmbedding, "forward_", _decode_rotary_off_by_one),
+    "decode rotary position off by one": (TorchOps, "rope_", _decode_rotary_off_by_one),
     "wrong KV head mapping": (KVCachePool, "store_kv", _kv_heads_swapped),
     "KV written one slot late": (KVCachePool, "store_kv", _kv_written_one_slot_late),
-    "q/k norm weight ignored": (RMSNorm, "forward_heads_", _qk_norm_weight_ignored),
+    "q/k norm weight ignored": (TorchOps, "head_rmsnorm_", _qk_norm_weight_ignored),
 }
 
 

@@ -55,6 +55,30 @@ def test_kernel_matches_float64(case, seed):
     _check(*case, device="cuda" if torch.cuda.is_available() else "cpu", seed=seed)
 
 
+def _act(g: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, sg.MAX_ROWS), n=st.integers(1, 40), k=st.integers(1, 700), act=st.sampled_from(["silu", "gelu_tanh"]),
+       seed=st.integers(0, 2 ** 16), data=st.data())
+def test_gated_activation_fused_in_matches_float64(m, n, k, act, seed, data):
+    """x = gate | up [M, 2K]: the product of act(gate) * up, rounded once to bf16 as the activation kernel rounds it,
+    within the GEMM's bound plus one bf16 unit of each activation value (a truncating cast on the interpreter)."""
+    config = data.draw(st.sampled_from(sg.search_space(sg.block_m(m), k)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = (2 * torch.randn(m, 2 * k, generator=gen)).to(device, torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(device, torch.bfloat16)
+    gate, up = x.double().chunk(2, dim=-1)
+    a = _act(gate, act) * up
+    ref = F.linear(a, w.double())
+    y = sg.skinny_gemm(x, w, config=config, act=act)
+    err = (y.double() - ref).abs()
+    bound = _bound(a, w, ref, torch.bfloat16) + 2.0 ** -7 * F.linear(a.abs(), w.double().abs())
+    assert (err <= bound).all(), f"M={m} N={n} K={k} {act} {config}: max error/bound {(err / bound).max():.3g}"
+
+
 def test_search_space_and_rule_fit_the_registers():
     for bm in (1, 2, 4, 8, 16):
         for k in (64, 576, 4096):
@@ -103,3 +127,20 @@ def test_fused_ops_take_few_rows_where_the_table_or_rule_says_and_match_cublas()
         assert torch.equal(ops.linear(x, w), expect)
         torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), atol=0.05, rtol=0.02)
     assert sg.choose(torch.randn(512, 4, device="cuda", dtype=torch.bfloat16).t(), w) is None  # K not unit-stride
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_fused_ops_down_projection_with_the_activation_matches_the_unfused_pair(act):
+    """ops.linear(gate | up, act=...) at 1 row (the activation inside the skinny GEMM) and at 3 (FlashInfer's
+    activation kernel, then the GEMM) against FlashInfer's activation then cuBLAS."""
+    from engine.layers.ops import FlashInferOps
+
+    pytest.importorskip("flashinfer")
+    ops = FlashInferOps()
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    w = torch.randn(1024, 3072, generator=gen).cuda().bfloat16() / 3072 ** 0.5
+    x = (2 * torch.randn(3, 2 * 3072, generator=gen)).cuda().bfloat16()
+    for m in (1, 3):
+        want = F.linear(ops.act_and_mul(x[:m], act), w)
+        torch.testing.assert_close(ops.linear(x[:m], w, act=act), want, atol=0.02, rtol=0.02)

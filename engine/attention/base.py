@@ -31,8 +31,9 @@ class AttentionBackend(ABC):
         """Set batch.attn_metadata from batch.padded_reqs and the page table (before forward)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        """q [N, Hq, D], kv [N, 2, Hkv, D] -> [N, Hq * D]; writes kv at batch.out_loc first."""
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q [N, Hq, D] -> [N, Hq * D], over the pool, which already holds the batch's own K and V at batch.out_loc
+        (the attention layer's ops store them)."""
 
     # CUDA-graph hooks: static metadata buffers captured once, refilled before each replay.
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:

@@ -6,9 +6,8 @@ sliding layers get a second wrapper of each kind, planned with window_left = win
 key and window - 1 before it); the kernel never reads a page outside the window, though such pages stay allocated.
 
 The page lists are built on the device from the page table (a gather, no per-request Python and no host tensor that
-grows with the context); the host sends O(batch) integers a step. K and V are written by one kernel per layer
-(append_paged_kv_cache) at each token's position in its request's page list. Planning happens once per batch, in
-prepare_metadata. A CUDA-graph decode refills its static page buffers every step and keeps only its schedule while the
+grows with the context); the host sends O(batch) integers a step. K and V are already in the pool when forward runs
+(the attention layer's ops write them at batch.out_loc). Planning happens once per batch, in prepare_metadata. A CUDA-graph decode refills its static page buffers every step and keeps only its schedule while the
 batch size and page counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
 reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
@@ -33,10 +32,6 @@ WORKSPACE_BYTES = 256 << 20
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
     wrappers: Dict[int, Any]  # window_left -> the planned prefill, decode or graph-decode wrapper
-    kv_indptr: torch.Tensor  # [bs + 1] int32, device: each request's pages, where its K and V are appended
-    kv_indices: torch.Tensor  # [>= total pages] int32, device
-    last_page_len: torch.Tensor  # [bs] int32, device
-    batch_indices: torch.Tensor  # [num_tokens] int32, device: each token's request
 
 
 @dataclass
@@ -70,7 +65,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores) for w in self.windows}
         self.graph_wrappers: Dict[int, Dict[int, Any]] = {}  # padded bs -> window_left -> wrapper
         self.graph_plan: tuple | None = None  # the schedule the last graph plan was made for
-        self.graph_indptr = self.graph_indices = self.graph_last_page_len = self.graph_batch_indices = None
+        self.graph_indptr = self.graph_indices = self.graph_last_page_len = None
         self.prefill_graph: Dict[int, Any] = {}  # window_left -> graph-mode prefill wrapper (init_prefill_graphs)
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
@@ -133,30 +128,18 @@ class FlashInferBackend(AttentionBackend):
             wrappers = self.decode
             self._plan_decode(wrappers, lists)
         self.planned.record()
-        if batch.is_prefill and batch.padded_tokens:
-            batch.attn_metadata = self._graph_prefill_metadata(batch, lists)
-        else:
-            batch.attn_metadata = self._metadata(batch, lists, wrappers, graph is not None)
+        batch.attn_metadata = self._metadata(batch, lists, wrappers)
 
     def _plan_decode(self, wrappers: Dict[int, Any], lists: _PageLists) -> None:
         for w, wrapper in wrappers.items():
             wrapper.plan(lists.kv_indptr, lists.kv_indices, lists.last_page_len, head_dim=self.head_dim,
                          **self._plan_args(w))
 
-    def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any], graph: bool) -> FlashInferMetadata:
-        n = batch.padded_size
-        if graph:  # the static buffers the captured graph reads (filled by the plan)
-            return FlashInferMetadata(
-                cu_seqlens_q=lists.qo_indptr.to(self.device, non_blocking=True), wrappers=wrappers,
-                kv_indptr=self.graph_indptr[: n + 1], kv_indices=self.graph_indices,
-                last_page_len=self.graph_last_page_len[:n], batch_indices=self.graph_batch_indices[:n])
-        host = torch.cat([lists.qo_indptr, lists.kv_indptr, lists.last_page_len]).pin_memory()
-        qo_indptr, kv_indptr, last_page_len = host.to(self.device, non_blocking=True).split([n + 1, n + 1, n])
-        batch_indices = torch.repeat_interleave(torch.arange(n, dtype=torch.int32, device=self.device),
-                                                qo_indptr.diff(), output_size=int(lists.qo_indptr[-1]))
-        return FlashInferMetadata(cu_seqlens_q=qo_indptr, wrappers=wrappers, kv_indptr=kv_indptr,
-                                  kv_indices=lists.kv_indices, last_page_len=last_page_len,
-                                  batch_indices=batch_indices)
+    def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any]) -> FlashInferMetadata:
+        """cu_seqlens_q covers the batch's own requests (a graph prefill's empty and padding entries follow them):
+        the LM head's rows."""
+        qo_indptr = lists.qo_indptr.to(self.device, non_blocking=True)
+        return FlashInferMetadata(cu_seqlens_q=qo_indptr[: batch.size + 1], wrappers=wrappers)
 
     def _plan_graph(self, bs: int, wrappers: Dict[int, Any], lists: _PageLists) -> None:
         """Fill the graph's static buffers with this batch's pages (every step: a row's next request has other
@@ -175,19 +158,11 @@ class FlashInferBackend(AttentionBackend):
                              lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,
                              **self._plan_args(w))
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         kv_cache = get_global_ctx().kv_cache
         paged = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))
-        self._store(kv, paged, batch)
         wrapper = batch.attn_metadata.wrappers[self.layer_window_left[layer_id]]
         return wrapper.run(q, paged).view(q.shape[0], -1)
-
-    def _store(self, kv: torch.Tensor, paged: tuple, batch: Batch) -> None:
-        """K and V [N, Hkv, D] (strided views) into the pages, at each token's position: one kernel. The slots
-        are the ones batch.out_loc names, derived from the same page table (the padding rows' go to the dummy page)."""
-        md: FlashInferMetadata = batch.attn_metadata
-        self.fi.append_paged_kv_cache(kv[:, 0], kv[:, 1], md.batch_indices, batch.positions, paged, md.kv_indices,
-                                      md.kv_indptr, md.last_page_len, kv_layout="NHD")
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
@@ -196,7 +171,6 @@ class FlashInferBackend(AttentionBackend):
         self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self.graph_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
         self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
-        self.graph_batch_indices = torch.arange(max_bs, dtype=torch.int32, device=self.device)
 
     def prepare_for_capture(self, batch: Batch) -> None:
         """Create the size's wrappers (sharing the static buffers) and plan them fully once: capturing records
@@ -212,7 +186,7 @@ class FlashInferBackend(AttentionBackend):
         self._plan_decode(self.graph_wrappers[bs], lists)
         self.planned.record()
         self.graph_plan = None
-        batch.attn_metadata = self._metadata(batch, lists, self.graph_wrappers[bs], graph=True)
+        batch.attn_metadata = self._metadata(batch, lists, self.graph_wrappers[bs])
 
     def prepare_for_replay(self, batch: Batch) -> None:
         """prepare_metadata already planned into the captured wrappers, whose buffers the graph reads."""
@@ -237,19 +211,7 @@ class FlashInferBackend(AttentionBackend):
         self.pg_kv_indptr = torch.zeros(entries + 1, **int32)
         self.pg_last_page_len = torch.ones(entries, **int32)
         self.pg_indices = torch.zeros(max_reqs * -(-max_seq_len // ps) + -(-max_tokens // ps), **int32)
-        self.pg_batch_indices = torch.zeros(max_tokens, **int32)
         self.prefill_graph = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self.pg_qo_indptr,
             paged_kv_indptr_buf=self.pg_kv_indptr, paged_kv_indices_buf=self.pg_indices,
             paged_kv_last_page_len_buf=self.pg_last_page_len) for w in self.windows}
-
-    def _graph_prefill_metadata(self, batch: Batch, lists: _PageLists) -> FlashInferMetadata:
-        """The static buffers the graph's KV append reads (the plan filled the page lists); each token's entry is
-        gathered on the device. cu_seqlens_q covers the real requests only: the LM head's rows."""
-        t, entries = batch.padded_tokens, len(lists.qo_indptr) - 1
-        qo_indptr = lists.qo_indptr.to(self.device, non_blocking=True)
-        self.pg_batch_indices[:t].copy_(torch.repeat_interleave(
-            torch.arange(entries, dtype=torch.int32, device=self.device), qo_indptr.diff(), output_size=t))
-        return FlashInferMetadata(cu_seqlens_q=qo_indptr[: batch.size + 1], wrappers=self.prefill_graph,
-                                  kv_indptr=self.pg_kv_indptr, kv_indices=self.pg_indices,
-                                  last_page_len=self.pg_last_page_len, batch_indices=self.pg_batch_indices[:t])

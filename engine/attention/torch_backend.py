@@ -61,13 +61,12 @@ class TorchBackend(AttentionBackend):
             masks=masks,
         )
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         kv_cache = get_global_ctx().kv_cache
-        kv_cache.store_kv(kv, batch.out_loc, layer_id)
         md: TorchAttnMetadata = batch.attn_metadata
         mask = md.masks[self.windows[layer_id]]
         n, hq, d = q.shape
-        hkv = kv.shape[2]
+        hkv = kv_cache.k_cache(layer_id).shape[2]
         bsz, lk = md.kv_slots.shape
         slots = md.kv_slots.flatten()  # index_select: far cheaper than advanced indexing on a CPU
         keys = kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, slots).view(bsz, lk, hkv, d)

@@ -32,5 +32,6 @@ class RowParallelLinear(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(out_features, in_features_per_rank), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(self.ops.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """act: x is gate | up and the input is act(gate) * up (ops.linear), for the MLP's down projection."""
+        return tp_all_reduce(self.ops.linear(x, self.weight, act=act))

@@ -1,4 +1,5 @@
-"""RMSNorm over the hidden size or per head; the arithmetic is the engine's ops (layers/ops.py)."""
+"""RMSNorm over the hidden size, or per head (its weight and eps, applied by the attention layer's fused op); the
+arithmetic is the engine's ops (layers/ops.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,3 @@ class RMSNorm(nn.Module):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """norm(x + residual), and x + residual as the next residual (added in the model dtype, like HF)."""
         return self.ops.add_rmsnorm(x, residual, self.weight, self.eps, self.offset)
-
-    def forward_heads_(self, x: torch.Tensor) -> None:
-        """x [N, H, D], a view of the merged projection, normalized per head in place."""
-        self.ops.head_rmsnorm_(x, self.weight, self.eps, self.offset)

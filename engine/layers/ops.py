@@ -8,8 +8,9 @@ writes no copies of q and k.
 Numerics that differ on the fused path, each within bf16 rounding: RMSNorm multiplies the weight in fp32 before one
 rounding (HF Llama casts first), fused_add_rmsnorm normalizes the unrounded sum, RoPE rotates HF's rounded cos/sin in
 fp32 and rounds once (HF rounds after each product), the gated activations round once, the skinny GEMM sums in
-fp32 in its own order (cuBLAS's is another). Gemma's per-head q/k norms stay on the reference path (FlashInfer's
-gemma_rmsnorm has no [N, H, D] form).
+fp32 in its own order (cuBLAS's is another); the fused q/k norm + RoPE + KV store rounds where FlashInfer's norm
+and RoPE kernels do (after the norm, after the rotation) and sums the squares in its own order. Gemma's per-head q/k
+norms stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form; the fused kernel knows w).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import forwarding_prefill
-from engine.layers import skinny_gemm
+from engine.kvcache import KVCachePool
+from engine.layers import qk_rope_store, skinny_gemm
 from engine.utils.device import has_flashinfer
 
 OPS_BACKENDS = ("torch", "flashinfer")
@@ -59,26 +61,41 @@ class TorchOps:
             rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
             x.copy_(rotated)
 
+    def qk_rope_store_(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
+                       norms: tuple | None, pool: KVCachePool, layer_id: int, out_loc: torch.Tensor) -> None:
+        """What attention needs before it attends: per-head RMSNorm of q and k (norms: the (q_norm, k_norm) RMSNorm
+        modules, None without), RoPE of q and k, then K and V into the pool at slots out_loc [N]. q [N, Hq, D] is
+        left normalized and rotated in place; kv [N, 2, Hkv, D] (a view) may be changed."""
+        k = kv[:, 0]
+        if norms is not None:
+            for x, norm in zip((q, k), norms):
+                self.head_rmsnorm_(x, norm.weight, norm.eps, norm.offset)
+        self.rope_(positions, q, k, table)
+        pool.store_kv(kv, out_loc, layer_id)
+
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         """[N, 2I] (gate | up) -> act(gate) * up [N, I]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, K] @ weight [O, K]^T (+ bias): every projection and the LM head."""
-        return F.linear(x, weight, bias)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
+        """x [N, K] @ weight [O, K]^T (+ bias): every projection and the LM head. act: x is [N, 2K], gate | up, and
+        the input is act_and_mul(x, act) (the MLP's down projection)."""
+        return F.linear(x if act is None else self.act_and_mul(x, act), weight, bias)
 
 
 class FlashInferOps(TorchOps):
-    """One FlashInfer kernel per op (CUDA, fp16/bf16): rmsnorm, fused_add_rmsnorm, per-head rmsnorm on strided
-    [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and a decode's projections
-    of at most 16 rows through the skinny GEMM (Triton, layers/skinny_gemm.py) where Triton is installed."""
+    """One fused kernel per op (CUDA, fp16/bf16), FlashInfer's: rmsnorm, fused_add_rmsnorm, per-head rmsnorm on
+    strided [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and Triton's where it
+    is installed: q/k norms, RoPE and the KV store in one kernel (layers/qk_rope_store.py), a decode's projections of
+    at most 16 rows through the skinny GEMM (layers/skinny_gemm.py)."""
 
     def __init__(self) -> None:
         import flashinfer
 
         self.fi = flashinfer
-        self.skinny = skinny_gemm.available()
+        self.triton = skinny_gemm.available()
 
     def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
         # the kernel reads an fp32 cache: give it HF's cos/sin values (rounded to the model dtype), so only the
@@ -103,14 +120,32 @@ class FlashInferOps(TorchOps):
     def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
         self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, q.shape[-1], table, is_neox=True)
 
+    def qk_rope_store_(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
+                       norms: tuple | None, pool: KVCachePool, layer_id: int, out_loc: torch.Tensor) -> None:
+        # one Triton kernel (layers/qk_rope_store.py) for all of it, unless the norms are Gemma's (1 + w)
+        if not self.triton or (norms is not None and _unit(norms[0].offset)):
+            return super().qk_rope_store_(positions, q, kv, table, norms, pool, layer_id, out_loc)
+        hkv, d = kv.shape[2:]
+        weights = (None, None) if norms is None else (norms[0].weight, norms[1].weight)
+        qk_rope_store.qk_rope_store(positions, q, kv, table, *weights, 0.0 if norms is None else norms[0].eps,
+                                    pool.k_cache(layer_id).view(-1, hkv, d), pool.v_cache(layer_id).view(-1, hkv, d),
+                                    out_loc)
+
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return (self.fi.silu_and_mul if act == "silu" else self.fi.gelu_tanh_and_mul)(gate_up)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
         # decode only: a prefill of a few tokens runs eagerly at M = its tokens but in a prefill graph at its
         # bucket's M (cuBLAS), and the two must agree bit for bit; a decode graph's M is the eager batch's bucket
-        config = skinny_gemm.choose(x, weight) if self.skinny and not forwarding_prefill() else None
-        return F.linear(x, weight, bias) if config is None else skinny_gemm.skinny_gemm(x, weight, bias, config)
+        config = skinny_gemm.choose(x, weight) if self.triton and not forwarding_prefill() else None
+        if config is None:
+            return super().linear(x, weight, bias, act)
+        if act is not None and x.shape[0] > 1:
+            # every program forms the activation of all M rows itself: measured in a qwen3-0.6b decode graph on the
+            # H200, fusing it saves 41 us a step at one row and costs 64 us at four
+            x, act = self.act_and_mul(x, act), None
+        return skinny_gemm.skinny_gemm(x, weight, bias, config, act)
 
 
 def _unit(offset: float) -> bool:

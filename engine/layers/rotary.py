@@ -1,4 +1,5 @@
-"""Rotary position embedding with HF's angles: inverse frequencies and angles in fp32, rotate-half (neox) layout."""
+"""Rotary position embedding with HF's angles: inverse frequencies and angles in fp32, rotate-half (neox) layout. The
+module holds the cos | sin table; the rotation is the ops' (rope_, inside qk_rope_store_)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,3 @@ class RotaryEmbedding(nn.Module):
         self.cfg, self.ops = cfg, ops
         self.register_buffer("table", ops.rope_table(cos_sin_table(cfg, max_position), dtype).to(device),
                              persistent=False)
-
-    def forward_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """positions [N]; q [N, Hq, D] and k [N, Hkv, D], views rotated in place."""
-        self.ops.rope_(positions, q, k, self.table)

@@ -3,8 +3,10 @@
 At M = 1 a projection is a matrix-vector product: it reads the whole weight once and does two flops a weight, so its
 time is the weight's bytes over the memory bandwidth. cuBLAS's M = 1 kernels reach 8-41% of the H200's bandwidth on
 a 0.6B model's layer shapes (reports/bench/skinny-gemm-h200.md); this kernel gives each program BLOCK_N rows of W and
-walks K in BLOCK_K steps, so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512,
-enough programs to fill the GPU without a second reduction kernel). Products accumulate in fp32 per lane and are
+walks K in BLOCK_K steps (up to all of K in one step, so that each program has its whole share of W in flight at
+once), so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512, enough programs
+to fill the GPU without a second reduction kernel). The MLP's down projection can take the gated activation in: it
+reads gate | up and forms act(gate) * up as it loads, one kernel fewer a layer. Products accumulate in fp32 per lane and are
 reduced once at the end; the result is rounded once to the model dtype, the bias added in fp32 first, as cuBLAS's
 epilogue does. It multiplies on CUDA cores, so past a few rows cuBLAS's tensor cores win.
 
@@ -59,7 +61,7 @@ def search_space(bm: int, k: int) -> list[Config]:
     thread loads at least one 16-byte vector of W a step, and a step is no wider than twice K."""
     out = []
     for bn in (1, 2, 4, 8):
-        for bk in (256, 512, 1024):
+        for bk in (256, 512, 1024, 2048, 4096):
             for warps in (4, 8):
                 if bk <= max(256, 2 * k) and bn * bk >= 256 * warps and fits(bm, (bn, bk, warps)):
                     out.append((bn, bk, warps))
@@ -95,10 +97,11 @@ def _device_facts(index: int) -> Tuple[str, int]:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether skinny_gemm can take this call: 2-D x of at most MAX_ROWS rows with unit stride along K, a contiguous
-    half-precision weight of x's dtype, on CUDA."""
+    """Whether skinny_gemm can take this call: 2-D x of at most MAX_ROWS rows with unit stride along K (K or 2K
+    columns: gate | up, for a gated activation fused in), a contiguous half-precision weight of x's dtype, on CUDA."""
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
+            and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
+            and x.shape[1] in (weight.shape[1], 2 * weight.shape[1]))
 
 
 def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
@@ -107,7 +110,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
     if not supports(x, weight):
         return None
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _choice(block_m(x.shape[0]), weight.shape[0], x.shape[1], index)
+    return _choice(block_m(x.shape[0]), weight.shape[0], weight.shape[1], index)
 
 
 @functools.cache
@@ -121,17 +124,24 @@ def _choice(bm: int, n: int, k: int, device_index: int) -> Config | None:
     return default_config(bm, n, k, sms) if bm <= DEFAULT_MAX_BLOCK_M else None
 
 
+ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: Config | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_ROWS (see `supports`)."""
-    (m, k), n = x.shape, weight.shape[0]
+                config: Config | None = None, act: str | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_ROWS (see `supports`). act "silu" or
+    "gelu_tanh": x is [M, 2K], gate | up, and the product's input is act(gate) * up, computed in fp32 and rounded to
+    x's dtype as the separate activation kernel rounds it, so the result is the unfused pair's."""
+    m, (n, k) = x.shape[0], weight.shape
+    assert x.shape[1] == (2 * k if act else k), f"x {tuple(x.shape)} for a weight {tuple(weight.shape)}, act {act}"
     bm = block_m(m)
     bn, bk, warps = config or default_config(bm, n, k, _device_facts(x.device.index or 0)[1])
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _kernel()[(-(-n // bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps)
     return y
 
 
@@ -143,7 +153,7 @@ def _kernel():
 
     @triton.jit
     def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rm = tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,13 +164,20 @@ def _kernel():
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=col_ok, other=0.0, eviction_policy="evict_first")
-            else:
+            x_ok, w_ok = row_ok, col_ok
+            if not EVEN_K:
                 k_ok = (k0 + rk)[None, :] < K
-                x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=col_ok & k_ok, other=0.0, eviction_policy="evict_first")
+                x_ok, w_ok = row_ok & k_ok, col_ok & k_ok
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
+            if ACT:  # x holds the gate; the up half is K columns on
+                g = x.to(tl.float32)
+                if ACT == 1:
+                    a = g / (1.0 + tl.exp(-g))
+                else:  # gelu, tanh form: 0.5 g (1 + tanh(u)) = g sigmoid(2u)
+                    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                    a = g / (1.0 + tl.exp(-2.0 * u))
+                x = (a * tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

@@ -42,7 +42,7 @@ class SelfAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_out, bias=config.attention_bias, ops=ops)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
-        self.attn = AttentionLayer(layer_id, rotary)
+        self.attn = AttentionLayer(layer_id, rotary, ops)
         self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +50,8 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [N, (Hq + 2 Hkv) D]: q, k and v stay views of it until the KV pool
         q = qkv[:, : hq * d].view(n, hq, d)
         kv = qkv[:, hq * d:].view(n, 2, hkv, d)
-        if self.q_norm is not None:  # per-head RMSNorm before RoPE, in place
-            self.q_norm.forward_heads_(q)
-            self.k_norm.forward_heads_(kv[:, 0])
-        return self.o_proj(self.attn(q, kv))
+        norms = None if self.q_norm is None else (self.q_norm, self.k_norm)  # per-head RMSNorm before RoPE
+        return self.o_proj(self.attn(q, kv, norms))
 
 
 class MLP(nn.Module):
@@ -62,10 +60,10 @@ class MLP(nn.Module):
         inter = div_even(config.intermediate_size, get_tp_info().size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False, ops=ops)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, ops)
-        self.act, self.ops = config.hidden_act, ops
+        self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act))
+        return self.down_proj(self.gate_up_proj(x), act=self.act)  # the activation inside the product's ops
 
 
 class DecoderLayer(nn.Module):

@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: kernels per step (torch.profiler), the CUDA graph replay's GPU time (CUDA events),
-and the host's time by part (the driver's own timers), from which the step's bound is named."""
+"""Where a step's time goes: kernels per step (torch.profiler), the CUDA graph replay's GPU time (CUDA events), and the
+host's time by part (the driver's own timers), from which the step's bound is named. Decode steps and prefills."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from harness.driver import StepRecord
 
 HOST_PARTS = ("build", "plan", "sample_prep", "launch", "process")  # the host's own work in a step
 # kernel name fragments -> what the kernel does (first match wins)
-CATEGORIES = (("attention", ("BatchDecode", "BatchPrefill", "MergeState", "Attention")),
+CATEGORIES = (("q/k norm + rope + kv write", ("qk_rope_store",)),
+              ("attention", ("BatchDecode", "BatchPrefill", "MergeState", "Attention")),
               ("kv write", ("AppendPagedKV", "index_copy")), ("norm", ("RMSNorm",)), ("rope", ("Rotary",)),
               ("activation", ("act_and_mul",)), ("gemm", ("nvjet", "gemm", "Gemm", "splitK", "cutlass", "sm90_xmma")))
 COPY_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
@@ -47,8 +48,18 @@ def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) 
     """Replay the decode graph of size bs as the last step left it (same page lists, same lengths) on the engine's
     stream. None when no graph has that size."""
     graph = engine.graph_runner.graphs.get(bs)
-    if graph is None:
-        return None
+    return None if graph is None else profile_graph(graph, repeats, profiled)
+
+
+def profile_prefill(engine: Any, tokens: int, repeats: int = 20, profiled: int = 5) -> ReplayProfile | None:
+    """Replay the prefill graph of the bucket a prefill of `tokens` tokens takes, as the last prefill planned it
+    (its KV writes land where that prefill's did). None when it runs eagerly."""
+    runner = engine.graph_runner
+    bucket = next((t for t in runner.prefill_tokens if t >= tokens), None)
+    return None if bucket is None else profile_graph(runner.prefill_graphs[bucket], repeats, profiled)
+
+
+def profile_graph(graph: Any, repeats: int, profiled: int) -> ReplayProfile:
     for _ in range(3):
         graph.replay()
     times = replay_seconds(graph, repeats)
@@ -82,6 +93,14 @@ def host_parts(records: List[StepRecord]) -> Dict[str, float]:
     out["host_busy"] = statistics.median(sum(r.host.get(p, 0.0) for p in HOST_PARTS) for r in records)
     out["period"] = statistics.median(r.seconds for r in records)
     return out
+
+
+def prefill_bound(host: Dict[str, float], replay_s: float | None) -> str:
+    """A prefill of one request runs alone: the host prepares it, the GPU runs it, the host waits for its token."""
+    busy, largest = host["host_busy"], max(HOST_PARTS, key=lambda p: host[p])
+    gpu = "eager" if replay_s is None else f"graph replay {replay_s * 1e3:.2f} ms"
+    return (f"host busy {busy * 1e3:.2f} ms (largest: {largest} {host[largest] * 1e3:.2f} ms) + waiting "
+            f"{host['wait'] * 1e3:.2f} ms; GPU: {gpu}")
 
 
 def bound(host: Dict[str, float], replay_s: float | None) -> str:

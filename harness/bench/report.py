@@ -131,6 +131,29 @@ PROFILE_COLUMNS = ["model", "batch_size", "step_s", "replay_s", "replay_p10_s", 
                    "host_process_s", "host_wait_s", "host_busy_s", "bound"]
 
 
+PREFILL_PROFILE_COLUMNS = ["model", "length", "step_s", "replay_s", "kernels_per_step", "host_build_s", "host_plan_s",
+                           "host_sample_prep_s", "host_launch_s", "host_process_s", "host_wait_s", "host_busy_s",
+                           "bound"]
+
+
+def _prefill_section(profiles: List[Dict[str, Any]]) -> str:
+    """Per prompt length: the prefill step through the driver beside its graph's GPU time and the host's parts."""
+    if not profiles:
+        return ""
+    md = ("## Where a prefill's time goes\n"
+          "One request alone (the prefill rows above): step_s from its scheduling to its token processed; replay_s "
+          "the GPU time of the prefill CUDA graph of its token bucket replayed alone (CUDA events, median of 20; the "
+          "LM head and sampling run after it, outside the graph); kernels_per_step from torch.profiler over 5 "
+          "replays; host_* the driver's timers by part as in the decode table (plan: the page lists and FlashInfer's "
+          "prefill plan; wait: blocked on the token). Nothing overlaps a lone prefill: its step is about host busy + "
+          f"wait.\n\n{markdown_table(profiles, PREFILL_PROFILE_COLUMNS)}\n")
+    for p in profiles:
+        if p["length"] == min(q["length"] for q in profiles) and p.get("top_kernels"):
+            md += (f"Largest kernels of a {p['model']} prefill graph of {p['length']} tokens (GPU us per replay):\n\n"
+                   f"{markdown_table(p['top_kernels'])}\n")
+    return md
+
+
 def _profile_section(profiles: List[Dict[str, Any]]) -> str:
     """Per decode batch size: kernels, replay GPU time, host time by part, the bound; the biggest kernels at bs 1."""
     graphs = [p for p in profiles if p["runner"] == "engine"]
@@ -222,6 +245,7 @@ def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
           "per generated token, the interval between two calls of a synchronizing logits processor, after two "
           "warm-up calls, 3 runs. Medians; p10/p90 beside them.\n\n"
           f"## Targets\n{markdown_table(tgt)}\n{anchors_section(result)}{_profile_section(result.get('profiles', []))}"
+          f"{_prefill_section(result.get('prefill_profiles', []))}"
           f"{gemm_section(result.get('gemms', []))}"
           "## Every measurement\n"
           f"{markdown_table(rows, [c for c in COLUMNS if c in frame.columns])}\n"

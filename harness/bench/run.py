@@ -3,7 +3,8 @@
 Every figure comes from this one run: the engine (through the driver, host work included), HF transformers on the
 same model, dtype and workload (eager, and on CUDA with a static cache compiled by transformers), and the limit (a
 large copy for bandwidth, a large matmul for FLOP/s) measured on the same device. On CUDA each decode batch size is
-also profiled: kernels per step, the graph replay's GPU time and the host's time by part, which name the bound.
+also profiled (and each prefill length): kernels per step, the graph replay's GPU time and the host's time by part,
+which name the bound.
 Writes build/reports/bench/<device>/ (reports/bench/<device>/ with --update-reports): bench.csv, bench.json,
 summary.md, *.png.
 """
@@ -21,7 +22,7 @@ from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
 from harness import check_device, zoo
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
-from harness.bench.profile import bound, host_parts, profile_replay
+from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
 from harness.bench.report import write_bench_report
 from harness.bench.gemm import gemm_rows
 from harness.bench.workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, engine_ttft,
@@ -73,11 +74,12 @@ def _decode_rows(model: str, runner: str, driver: Driver, bs: int, ctx: int, spe
 
 
 def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
-                with_hf: bool) -> tuple[List, List, List]:
-    """(rows, decode profiles, GEMMs at M = 1 on CUDA) of one model."""
+                with_hf: bool) -> tuple[List, List, List, List]:
+    """(rows, decode profiles, GEMMs at M = 1 on CUDA, prefill profiles on CUDA) of one model."""
     dtype = DTYPES[device.split(":")[0]]
     rows: List[Dict[str, Any]] = []
     profiles: List[Dict[str, Any]] = []
+    prefills: List[Dict[str, Any]] = []
     gemms: List[Dict[str, Any]] = []
     prompts, outs = offline_workload(*spec.offline)
     n_hf, cap = spec.hf_offline
@@ -97,8 +99,11 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
                 rows.append(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits, "decode_ctx")[0])
             for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill and time to first token"):
                 pairs = n * (n + 1) // 2
-                secs = engine_prefill(driver, n, vocab, spec.repeats)
-                rows.append(_row(model, runner, "prefill", 1, n, secs, n, cost, limits, (n, 0, pairs)))
+                records = engine_prefill(driver, n, vocab, spec.repeats)
+                rows.append(_row(model, runner, "prefill", 1, n, [r.seconds for r in records], n, cost, limits,
+                                 (n, 0, pairs)))
+                if on_gpu and runner == "engine":
+                    prefills.append(_prefill_profile(model, engine, n, records))
                 secs = engine_ttft(driver, n, vocab, spec.repeats)
                 rows.append(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs)))
             if runner != "engine":
@@ -116,7 +121,18 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
             engine.shutdown()
     if with_hf:
         rows += _bench_hf(model, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
-    return rows, profiles, gemms
+    return rows, profiles, gemms, prefills
+
+
+def _prefill_profile(model: str, engine: Engine, tokens: int, records: List) -> Dict[str, Any]:
+    host = host_parts(records)
+    replay = profile_prefill(engine, tokens)
+    out = {"model": model, "length": tokens, "step_s": host.pop("period"),
+           **{f"{k if k.startswith('host_') else 'host_' + k}_s": v for k, v in host.items()},
+           "bound": prefill_bound(host, replay and replay.replay_s)}
+    if replay is not None:
+        out.update(replay_s=replay.replay_s, kernels_per_step=replay.kernels_per_step, top_kernels=replay.top_kernels)
+    return out
 
 
 def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) -> Dict[str, Any]:
@@ -182,14 +198,14 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
     spec = SPECS[f"{dev.type}-moe" if all(moe) and f"{dev.type}-moe" in SPECS else dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
-    rows, profiles, gemms = [], [], []
+    rows, profiles, gemms, prefills = [], [], [], []
     for model in models:
-        r, p, g = bench_model(model, str(dev), spec, limits, with_hf)
-        rows, profiles, gemms = rows + r, profiles + p, gemms + g
+        r, p, g, f = bench_model(model, str(dev), spec, limits, with_hf)
+        rows, profiles, gemms, prefills = rows + r, profiles + p, gemms + g, prefills + f
     # a run of other models than the defaults reports beside the default one, not over it
     name = dev.type if models == DEFAULT_MODELS[dev.type] else "-".join([dev.type, *models])
     return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
-            "profiles": profiles, "gemms": gemms, "name": name}
+            "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms, "name": name}
 
 
 def command(args: argparse.Namespace) -> int:

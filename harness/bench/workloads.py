@@ -63,14 +63,15 @@ OFFLINE_PARAMS = dict(temperature=0.6, ignore_eos=True)  # as nano-vllm samples 
 
 
 # ------------------------------------------------------------------------------------------------ engine
-def engine_prefill(driver: Driver, length: int, vocab: int, repeats: int) -> List[float]:
+def engine_prefill(driver: Driver, length: int, vocab: int, repeats: int) -> List[StepRecord]:
+    """The prefill steps of one request of length tokens (its seconds: from scheduling to the token processed)."""
     ids = random_ids(length, vocab, seed=length)
     out = []
     for i in range(repeats + 1):
         driver.steps.clear()
         driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
         if i:  # the first is warm-up
-            out.append(driver.steps[0].seconds)
+            out.append(driver.steps[0])
     return out
 
 

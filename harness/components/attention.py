@@ -1,10 +1,11 @@
-"""Attention and the KV append: the FlashInfer backend against the torch backend on the same paged pool and q.
+"""Attention: the FlashInfer backend against the torch backend on the same paged pool and q.
 
 Both backends go through the engine's own path: prepare_metadata on a real Batch of Req under a Context holding the
-pool and the page table, then forward per layer (which appends the step's K and V to the pool and attends); the
-graph phase captures the backend's decode in a CUDA graph as GraphRunner does (init_capture_graph, a dummy batch,
-prepare_for_capture, a warm-up, the capture) and replays it after prepare_metadata and prepare_for_replay. Each side
-has its own copy of the pool, so the append is compared too.
+pool and the page table, then per layer the step's K and V stored at batch.out_loc (the torch side through
+KVCachePool.store_kv, as the reference ops store them, the FlashInfer side through the fused ops' kernel) and forward,
+which attends over the pool; the graph phase captures the backend's decode in a CUDA graph as GraphRunner does
+(init_capture_graph, a dummy batch, prepare_for_capture, a warm-up, the capture) and replays it after
+prepare_metadata and prepare_for_replay. Each side has its own copy of the pool, so the store is compared too.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Iterator, List, Literal, Tuple
 import torch
 
 from engine.attention.base import AttentionBackend
-from engine.core import Batch, Context, set_global_ctx
+from engine.attention.torch_backend import TorchBackend
+from engine.core import Batch, Context, get_global_ctx, set_global_ctx
 from engine.kvcache import KVCachePool
+from engine.layers import qk_rope_store
 from harness.components import reference
 from harness.components.measure import CheckResult, Fault, check_fault, measure, planted
 from harness.components.paged import AttentionCase, PagedInputs, build, model_config
@@ -42,13 +45,30 @@ def _backend(kernel: Kernel, inputs: PagedInputs, scale_factor: float) -> Attent
         from engine.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(config, hq, hkv, inputs.page_table.device, torch.bfloat16)
-    from engine.attention.torch_backend import TorchBackend
-
     return TorchBackend(config)
 
 
 def _forward(backend: AttentionBackend, inputs: PagedInputs, batch: Batch, qkv: List[torch.Tensor]) -> List:
-    return [backend.forward(*inputs.views(layer, qkv[layer]), layer, batch) for layer in range(len(qkv))]
+    """Per layer the store, then attention. The FlashInfer side stores through the fused kernel the engine's fused
+    ops use (layers/qk_rope_store.py), without norms and with an identity rotation (cos 1, sin 0: K and q come out
+    bit for bit as they went in), so the KV append check compares its writes bitwise with the torch store's."""
+    pool, outs = get_global_ctx().kv_cache, []
+    fused = not isinstance(backend, TorchBackend)
+    if fused:
+        _, hkv = inputs.case.heads
+        d = inputs.case.head_dim
+        identity = torch.cat([torch.ones(inputs.page_table.shape[1], d // 2, device=batch.positions.device),
+                              torch.zeros(inputs.page_table.shape[1], d // 2, device=batch.positions.device)], -1)
+    for layer, x in enumerate(qkv):
+        q, kv = inputs.views(layer, x)
+        if fused:
+            qk_rope_store.qk_rope_store(batch.positions, q, kv, identity, None, None, 0.0,
+                                        pool.k_cache(layer).view(-1, hkv, d), pool.v_cache(layer).view(-1, hkv, d),
+                                        batch.out_loc)
+        else:
+            pool.store_kv(kv, batch.out_loc, layer)
+        outs.append(backend.forward(q, layer, batch))
+    return outs
 
 
 def _eager(backend: AttentionBackend, inputs: PagedInputs, ctx: Context, batch: Batch) -> List[torch.Tensor]:

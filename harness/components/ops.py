@@ -2,23 +2,28 @@
 
 Each op runs as the layers call it: the norms on [tokens, hidden], fused_add_rmsnorm in place on both operands, the
 per-head q/k RMSNorm and RoPE in place on strided views of one merged q/k/v projection (what they must leave alone,
-the rest of that buffer, is compared bitwise), RoPE reading the table the ops object itself builds from HF's angles.
+the rest of that buffer, is compared bitwise), RoPE reading the table the ops object itself builds from HF's angles;
+qk_rope_store, the attention layer's whole preparation (norms, RoPE, K and V into a pool at their slots: on the fused
+path one Triton kernel), with V's stored copy compared bitwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Literal, Tuple
 
 import torch
 
+from engine.kvcache import KVCachePool
 from engine.layers.ops import TorchOps, create_ops
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import RotaryConfig
 from harness.components import reference
 from harness.components.measure import CheckResult, Fault, check_fault, measure, planted
 
-OpName = Literal["rmsnorm", "add_rmsnorm", "head_rmsnorm", "rope", "silu_and_mul", "gelu_tanh_and_mul"]
+OpName = Literal["rmsnorm", "add_rmsnorm", "head_rmsnorm", "rope", "qk_rope_store", "silu_and_mul",
+                 "gelu_tanh_and_mul"]
 EPS = 1e-6
 HEADS = (8, 2)  # q and KV heads of the merged projection the per-head ops work on
 MAX_POSITION = 4096
@@ -28,7 +33,7 @@ ROPE_BASE = {64: 1e6, 128: 1e6, 256: 1e4}  # Qwen3's base at the smaller head di
 @dataclass(frozen=True)
 class OpCase:
     op: OpName
-    size: int  # hidden size (rmsnorm, add_rmsnorm), head_dim (head_rmsnorm, rope), intermediate (activations)
+    size: int  # hidden size (rmsnorm, add_rmsnorm), head_dim (head_rmsnorm, rope, qk_rope_store), intermediate
     offset: float = 0.0  # RMSNorm's weight offset: 1 for Gemma's (1 + w), FlashInfer's gemma_* kernels
     tokens: int = 37
     seed: int = 0
@@ -40,7 +45,7 @@ class OpCase:
 
 def op_cases() -> List[OpCase]:
     norms = [OpCase(op, h, off) for op in ("rmsnorm", "add_rmsnorm") for h in (256, 576, 2048) for off in (0.0, 1.0)]
-    heads = [OpCase(op, d) for op in ("head_rmsnorm", "rope") for d in (64, 128, 256)]
+    heads = [OpCase(op, d) for op in ("head_rmsnorm", "rope", "qk_rope_store") for d in (64, 128, 256)]
     acts = [OpCase(op, i) for op in ("silu_and_mul", "gelu_tanh_and_mul") for i in (512, 1536)]
     return norms + heads + acts
 
@@ -58,10 +63,11 @@ def _inputs(case: OpCase, device: torch.device) -> Dict[str, torch.Tensor]:
     if case.op in ("rmsnorm", "add_rmsnorm"):
         return {"x": bf16(n, s, std=3.0), "residual": bf16(n, s, std=5.0),
                 "weight": bf16(s, mean=0.0 if case.offset else 1.0, std=0.2)}
-    if case.op in ("head_rmsnorm", "rope"):
+    if case.op in ("head_rmsnorm", "rope", "qk_rope_store"):
         positions = torch.randint(0, MAX_POSITION, (n,), generator=gen, dtype=torch.int32).to(device)
         return {"qkv": bf16(n, (HEADS[0] + 2 * HEADS[1]) * s, std=2.0), "q_weight": bf16(s, mean=1.0, std=0.2),
-                "k_weight": bf16(s, mean=1.0, std=0.2), "positions": positions}
+                "k_weight": bf16(s, mean=1.0, std=0.2), "positions": positions,
+                "out_loc": torch.randperm(2 * n, generator=gen)[:n].to(device)}
     return {"gate_up": bf16(n, 2 * s, std=2.0)}
 
 
@@ -93,6 +99,15 @@ def _run(case: OpCase, ops: TorchOps, inp: Dict[str, torch.Tensor], fault: Fault
         else:
             ops.rope_(inp["positions"], q, k, _table(case, ops, qkv.device, 1.0 + planted(fault, "rope_base")))
         return {"q": q, "k": k, "v": v}
+    if case.op == "qk_rope_store":
+        qkv, d = inp["qkv"].clone(), case.size
+        q, kv = _views(qkv, d)[0], qkv[:, HEADS[0] * d:].view(qkv.shape[0], 2, HEADS[1], d)
+        pool = KVCachePool(1, 2 * qkv.shape[0] + 1, 1, HEADS[1], d, qkv.device, qkv.dtype)
+        norms = [SimpleNamespace(weight=inp[w], eps=EPS, offset=case.offset) for w in ("q_weight", "k_weight")]
+        table = _table(case, ops, qkv.device, 1.0 + planted(fault, "rope_base"))
+        ops.qk_rope_store_(inp["positions"], q, kv, table, norms, pool, 0, inp["out_loc"])
+        slots = [c.view(-1, HEADS[1], d)[inp["out_loc"]] for c in (pool.k_cache(0), pool.v_cache(0))]
+        return {"q": q, "k": slots[0], "v": slots[1]}
     return {"out": ops.act_and_mul(inp["gate_up"], "silu" if case.op == "silu_and_mul" else "gelu_tanh")}
 
 
@@ -110,6 +125,8 @@ def _exact(case: OpCase, inp: Dict[str, torch.Tensor]) -> Outputs:
                 "k": reference.rmsnorm(k, inp["k_weight"], EPS, case.offset)}
     # the cos/sin both implementations read: HF's fp32 angles rounded to bf16
     cos, sin = _table(case, TorchOps(), q.device)[inp["positions"].long()].chunk(2, dim=-1)
+    if case.op == "qk_rope_store":  # normed, then rotated
+        q, k = (reference.rmsnorm(x, inp[w], EPS, case.offset) for x, w in ((q, "q_weight"), (k, "k_weight")))
     return {"q": reference.rope(q, cos, sin), "k": reference.rope(k, cos, sin)}
 
 
@@ -117,7 +134,8 @@ def check_op(case: OpCase, device: torch.device | str = "cuda", kernel: str = "f
              fault: Fault | None = None) -> CheckResult:
     """kernel: "flashinfer" (the fused ops, CUDA) or "torch" (the reference against itself: the CPU's check of the
     measuring code)."""
-    check_fault(fault, ("output_scale", "rope_base") if case.op == "rope" else ("output_scale",), case.op)
+    rotates = case.op in ("rope", "qk_rope_store")
+    check_fault(fault, ("output_scale", "rope_base") if rotates else ("output_scale",), case.op)
     device = torch.device(device)
     inp = _inputs(case, device)
     with torch.inference_mode():
@@ -132,8 +150,9 @@ def check_op(case: OpCase, device: torch.device | str = "cuda", kernel: str = "f
     result = CheckResult(case.op, case.name, fault)
     for name, want in exact.items():
         result.errors[name] = measure(got[name], ref[name], want)
-    if "v" in got:  # in place on views: the V columns of the merged buffer stay as they were
+    if "v" in got:  # in place on views the V columns of the merged buffer stay as they were; stored, V is a copy
         original = _views(inp["qkv"], case.size)[2]
-        result.mismatches["v (untouched)"] = int((got["v"].view(torch.int16) != original.view(torch.int16)).sum())
+        label = "v (stored)" if case.op == "qk_rope_store" else "v (untouched)"
+        result.mismatches[label] = int((got["v"].view(torch.int16) != original.view(torch.int16)).sum())
     return result
 

@@ -44,7 +44,7 @@ class ComponentCheck:
         self._cases: Dict[str, List[Tuple[Callable, object]]] = {}
         for family, (check, phases, _) in COMPONENT_FAULTS.items():
             if check == "rope":
-                self._cases[family] = [(check_op, c) for c in op_cases() if c.op == "rope"]
+                self._cases[family] = [(check_op, c) for c in op_cases() if c.op in ("rope", "qk_rope_store")]
             else:
                 self._cases[family] = [(runs[check], c) for c in attention_cases()
                                        if c.phase in phases and (graph or c.phase != "graph")]

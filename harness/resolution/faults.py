@@ -23,6 +23,7 @@ from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import get_global_ctx
 from engine.kvcache import KVCachePool
+from engine.layers import qk_rope_store
 from engine.layers.rotary import RotaryEmbedding, cos_sin_table
 from engine.sample import BatchSamplingArgs, Sampler
 
@@ -187,28 +188,26 @@ def _kv_wrong_slot(e: float, engine: Engine | None = None) -> Iterator[LostWrite
             return original(self, kv, torch.where(lost, _dummy_slot(self), out_loc), layer_id)
         return store
 
-    def flashinfer_store(original: Callable) -> Callable:
-        def store(self: FlashInferBackend, kv: torch.Tensor, paged: tuple, batch) -> None:
+    def fused_store(original: Callable) -> Callable:
+        def store(positions, q, kv, table, q_weight, k_weight, eps, k_pool, v_pool, out_loc) -> None:
             # fixed shapes only (a decode graph captures this): the lost slots get their old content back
-            slots = batch.out_loc
-            lost = lost_writes(slots, _layer_of(paged[0]), e)
+            lost = lost_writes(out_loc, _layer_of(k_pool), e)
             tally.add(lost)
-            flat = [c.view(-1, *c.shape[2:]) for c in paged]  # [slots, Hkv, D] views of K and V
-            before = [f[slots].clone() for f in flat]
-            original(self, kv, paged, batch)
-            for f, old in zip(flat, before):
-                f[slots] = torch.where(lost[:, None, None], old, f[slots])
+            before = [p[out_loc].clone() for p in (k_pool, v_pool)]
+            original(positions, q, kv, table, q_weight, k_weight, eps, k_pool, v_pool, out_loc)
+            for p, old in zip((k_pool, v_pool), before):
+                p[out_loc] = torch.where(lost[:, None, None], old, p[out_loc])
         return store
 
-    with patched([(KVCachePool, "store_kv", store_kv), (FlashInferBackend, "_store", flashinfer_store)]):
+    with patched([(KVCachePool, "store_kv", store_kv), (qk_rope_store, "qk_rope_store", fused_store)]):
         yield tally
 
 
-def _layer_of(k_cache: torch.Tensor) -> int:
-    """The layer whose K pages k_cache is: the pool holds every layer's K, then V, in one allocation."""
+def _layer_of(k_pool: torch.Tensor) -> int:
+    """The layer whose K slots k_pool [slots, Hkv, D] is: the pool holds every layer's K, then V, in one allocation."""
     pool = get_global_ctx().kv_cache
-    layer = k_cache.storage_offset() // k_cache.numel()
-    assert pool.k_cache(layer).data_ptr() == k_cache.data_ptr(), "not a K view of the live pool"
+    layer = k_pool.storage_offset() // k_pool.numel()
+    assert pool.k_cache(layer).data_ptr() == k_pool.data_ptr(), "not a K view of the live pool"
     return layer
 
 
