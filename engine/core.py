@@ -126,7 +126,7 @@ class AttentionForward(Protocol):
     """What the layers call on the Context's attention backend (engine.attention.base.AttentionBackend implements
     it); stated here so that core, which the backends import, imports none of them."""
 
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
 
 
 class MoEForward(Protocol):
