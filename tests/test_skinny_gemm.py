@@ -60,8 +60,8 @@ def _act(g: torch.Tensor, act: str) -> torch.Tensor:
 
 
 @settings(max_examples=12, deadline=None)
-@given(m=st.integers(1, sg.MAX_ROWS), n=st.integers(1, 40), k=st.integers(1, 700), act=st.sampled_from(["silu", "gelu_tanh"]),
-       seed=st.integers(0, 2 ** 16), data=st.data())
+@given(m=st.integers(1, sg.MAX_ROWS), n=st.integers(1, 40), k=st.integers(1, 700),
+       act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2 ** 16), data=st.data())
 def test_gated_activation_fused_in_matches_float64(m, n, k, act, seed, data):
     """x = gate | up [M, 2K]: the product of act(gate) * up, rounded once to bf16 as the activation kernel rounds it,
     within the GEMM's bound plus one bf16 unit of each activation value (a truncating cast on the interpreter)."""

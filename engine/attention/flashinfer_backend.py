@@ -7,8 +7,9 @@ key and window - 1 before it); the kernel never reads a page outside the window,
 
 The page lists are built on the device from the page table (a gather, no per-request Python and no host tensor that
 grows with the context); the host sends O(batch) integers a step. K and V are already in the pool when forward runs
-(the attention layer's ops write them at batch.out_loc). Planning happens once per batch, in prepare_metadata. A CUDA-graph decode refills its static page buffers every step and keeps only its schedule while the
-batch size and page counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
+(the attention layer's ops write them at batch.out_loc). Planning happens once per batch, in prepare_metadata. A
+CUDA-graph decode refills its static page buffers every step and keeps only its schedule while the batch size and page
+counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
 reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
 Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers, planned before each

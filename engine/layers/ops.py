@@ -122,8 +122,10 @@ class FlashInferOps(TorchOps):
 
     def qk_rope_store_(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
                        norms: tuple | None, pool: KVCachePool, layer_id: int, out_loc: torch.Tensor) -> None:
-        # one Triton kernel (layers/qk_rope_store.py) for all of it, unless the norms are Gemma's (1 + w)
-        if not self.triton or (norms is not None and _unit(norms[0].offset)):
+        # one Triton kernel (layers/qk_rope_store.py) for all of it, unless the norms are Gemma's (1 + w) or the
+        # head size is not a power of two
+        gemma = norms is not None and _unit(norms[0].offset)
+        if not self.triton or gemma or not qk_rope_store.supports(q, kv):
             return super().qk_rope_store_(positions, q, kv, table, norms, pool, layer_id, out_loc)
         hkv, d = kv.shape[2:]
         weights = (None, None) if norms is None else (norms[0].weight, norms[1].weight)

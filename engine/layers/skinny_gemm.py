@@ -6,9 +6,10 @@ a 0.6B model's layer shapes (reports/bench/skinny-gemm-h200.md); this kernel giv
 walks K in BLOCK_K steps (up to all of K in one step, so that each program has its whole share of W in flight at
 once), so many programs stream contiguous rows at once (no split-K: the decode shapes have N >= 512, enough programs
 to fill the GPU without a second reduction kernel). The MLP's down projection can take the gated activation in: it
-reads gate | up and forms act(gate) * up as it loads, one kernel fewer a layer. Products accumulate in fp32 per lane and are
-reduced once at the end; the result is rounded once to the model dtype, the bias added in fp32 first, as cuBLAS's
-epilogue does. It multiplies on CUDA cores, so past a few rows cuBLAS's tensor cores win.
+reads gate | up and forms act(gate) * up as it loads, one kernel fewer a layer (the fused ops do so at one row, where
+it measured faster). Products accumulate in fp32 per lane and are reduced once at the end; the result is rounded once
+to the model dtype, the bias added in fp32 first, as cuBLAS's epilogue does. It multiplies on CUDA cores, so past a
+few rows cuBLAS's tensor cores win.
 
 Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device (`python -m
 harness.bench.tune_gemm`: skinny_gemm_tuned.json, keyed by device name and "M,N,K" with M rounded up to a power of
