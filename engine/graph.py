@@ -145,9 +145,13 @@ class GraphRunner:
             size = self.graph_bs[bisect.bisect_left(self.graph_bs, n)]
             batch.padded_reqs += [self.dummy_req] * (size - n)
         elif batch.is_prefill and 0 < n <= self.prefill_max_reqs:
-            tokens = sum(r.extend_len for r in batch.reqs)
-            if tokens <= self.max_prefill_tokens:
-                batch.padded_tokens = self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, tokens)]
+            batch.padded_tokens = self.prefill_bucket(sum(r.extend_len for r in batch.reqs))
+
+    def prefill_bucket(self, tokens: int) -> int:
+        """The prefill graph a batch of this many tokens replays: the smallest bucket >= tokens (0: none, eager)."""
+        if tokens > self.max_prefill_tokens:
+            return 0
+        return self.prefill_tokens[bisect.bisect_left(self.prefill_tokens, tokens)]
 
     def replay(self, batch: Batch) -> torch.Tensor:
         """Copy the batch into the static buffers and replay. Decode: logits [padded_bs, vocab]; prefill: the

@@ -26,7 +26,7 @@ class KVCachePool:
 
     def store_kv(self, kv: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         """kv [N, 2, Hkv, D] (K and V, any strides) written at slots out_loc [N] int64 by one index_copy_ (the
-        torch backend's store; FlashInfer's backend appends through its own kernel)."""
+        reference ops' store; the fused ops write K and V in their q/k norm + RoPE kernel)."""
         pool = self._kv[:, layer_id].view(2, -1, *kv.shape[2:])  # [2, slots, Hkv, D]
         pool.index_copy_(1, out_loc, kv.transpose(0, 1))
 

@@ -49,7 +49,6 @@ class FlashInferBackend(AttentionBackend):
                  dtype: torch.dtype) -> None:
         import flashinfer
 
-        self.fi = flashinfer
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, config.head_dim
         self.device, self.dtype = device, dtype
         self.sm_scale = config.attn_scale or config.head_dim ** -0.5

@@ -54,9 +54,8 @@ def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) 
 def profile_prefill(engine: Any, tokens: int, repeats: int = 20, profiled: int = 5) -> ReplayProfile | None:
     """Replay the prefill graph of the bucket a prefill of `tokens` tokens takes, as the last prefill planned it
     (its KV writes land where that prefill's did). None when it runs eagerly."""
-    runner = engine.graph_runner
-    bucket = next((t for t in runner.prefill_tokens if t >= tokens), None)
-    return None if bucket is None else profile_graph(runner.prefill_graphs[bucket], repeats, profiled)
+    bucket = engine.graph_runner.prefill_bucket(tokens)
+    return profile_graph(engine.graph_runner.prefill_graphs[bucket], repeats, profiled) if bucket else None
 
 
 def profile_graph(graph: Any, repeats: int, profiled: int) -> ReplayProfile:

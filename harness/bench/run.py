@@ -124,11 +124,16 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
     return rows, profiles, gemms, prefills
 
 
+def _host_columns(host: Dict[str, float]) -> Dict[str, float]:
+    """host_parts' medians as report columns: host_build_s, ..., host_busy_s."""
+    return {f"{k if k.startswith('host_') else 'host_' + k}_s": v for k, v in host.items()}
+
+
 def _prefill_profile(model: str, engine: Engine, tokens: int, records: List) -> Dict[str, Any]:
     host = host_parts(records)
     replay = profile_prefill(engine, tokens)
     out = {"model": model, "length": tokens, "step_s": host.pop("period"),
-           **{f"{k if k.startswith('host_') else 'host_' + k}_s": v for k, v in host.items()},
+           **_host_columns(host),
            "bound": prefill_bound(host, replay and replay.replay_s)}
     if replay is not None:
         out.update(replay_s=replay.replay_s, kernels_per_step=replay.kernels_per_step, top_kernels=replay.top_kernels)
@@ -140,7 +145,7 @@ def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) ->
     replay = profile_replay(engine, bs) if runner == "engine" else None
     layers = engine.config.model_config.num_layers
     out = {"model": model, "runner": runner, "batch_size": bs, "step_s": host.pop("period"),
-           **{f"{k if k.startswith('host_') else 'host_' + k}_s": v for k, v in host.items()},
+           **_host_columns(host),
            "bound": bound(host, replay and replay.replay_s)}
     if replay is not None:
         out.update(replay_s=replay.replay_s, replay_p10_s=replay.replay_p10_s, replay_p90_s=replay.replay_p90_s,
