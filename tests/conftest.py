@@ -23,8 +23,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Les mathématiques 
            "Once upon a time in a land far away, there lived a"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: on a GPU, `-m cuda` takes the "devices" tests as well
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     if torch.cuda.is_available():
+        for item in items:
+            if "devices" in item.keywords:
+                item.add_marker(pytest.mark.cuda)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -16,7 +16,7 @@ from engine.layers import skinny_gemm
 from engine.layers.rotary import cos_sin_table
 from engine.models.config import RotaryConfig
 
-pytestmark = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton")
+pytestmark = [pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton"), pytest.mark.devices]
 MAX_POSITION, EPS, LAYER = 512, 1e-6, 1
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

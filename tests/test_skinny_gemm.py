@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.layers import skinny_gemm as sg
 
-pytestmark = pytest.mark.skipif(not sg.available(), reason="needs Triton")
+pytestmark = [pytest.mark.skipif(not sg.available(), reason="needs Triton"), pytest.mark.devices]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
