@@ -24,6 +24,11 @@ class KVCachePool:
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self._kv[1, layer_id]
 
+    def slots(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer addressed by token slot: [num_pages * page_size, Hkv, D] views each."""
+        k, v = self._kv[:, layer_id].flatten(1, 2)  # [2, slots, Hkv, D]
+        return k, v
+
     def store_kv(self, kv: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         """kv [N, 2, Hkv, D] (K and V, any strides) written at slots out_loc [N] int64 by one index_copy_ (the
         reference ops' store; the fused ops write K and V in their q/k norm + RoPE kernel)."""

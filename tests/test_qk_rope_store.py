@@ -53,9 +53,8 @@ def _run(inp: dict, shift: int = 0) -> tuple:
     qkv, pool = inp["qkv"].clone(), inp["pool"]
     saved = pool._kv.clone()
     q, kv = _views(inp, qkv)
-    _, hkv, d = inp["heads"]
-    fused.qk_rope_store(inp["positions"] + shift, q, kv, inp["table"], *inp["weights"], EPS,
-                        pool.k_cache(LAYER).view(-1, hkv, d), pool.v_cache(LAYER).view(-1, hkv, d), inp["out_loc"])
+    fused.qk_rope_store(inp["positions"] + shift, q, kv, inp["table"], *inp["weights"], EPS, *pool.slots(LAYER),
+                        inp["out_loc"])
     after = pool._kv.clone()
     pool._kv.copy_(saved)
     return q, after, kv

@@ -66,11 +66,12 @@ class TorchBackend(AttentionBackend):
         md: TorchAttnMetadata = batch.attn_metadata
         mask = md.masks[self.windows[layer_id]]
         n, hq, d = q.shape
-        hkv = kv_cache.k_cache(layer_id).shape[2]
+        k_slots, v_slots = kv_cache.slots(layer_id)
+        hkv = k_slots.shape[1]
         bsz, lk = md.kv_slots.shape
         slots = md.kv_slots.flatten()  # index_select: far cheaper than advanced indexing on a CPU
-        keys = kv_cache.k_cache(layer_id).view(-1, hkv, d).index_select(0, slots).view(bsz, lk, hkv, d)
-        values = kv_cache.v_cache(layer_id).view(-1, hkv, d).index_select(0, slots).view(bsz, lk, hkv, d)
+        keys = k_slots.index_select(0, slots).view(bsz, lk, hkv, d)
+        values = v_slots.index_select(0, slots).view(bsz, lk, hkv, d)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
         if batch.is_decode:  # one query per request, already in order: no gather, no scatter back
             out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,

@@ -127,11 +127,9 @@ class FlashInferOps(TorchOps):
         gemma = norms is not None and _unit(norms[0].offset)
         if not self.triton or gemma or not qk_rope_store.supports(q, kv):
             return super().qk_rope_store_(positions, q, kv, table, norms, pool, layer_id, out_loc)
-        hkv, d = kv.shape[2:]
         weights = (None, None) if norms is None else (norms[0].weight, norms[1].weight)
         qk_rope_store.qk_rope_store(positions, q, kv, table, *weights, 0.0 if norms is None else norms[0].eps,
-                                    pool.k_cache(layer_id).view(-1, hkv, d), pool.v_cache(layer_id).view(-1, hkv, d),
-                                    out_loc)
+                                    *pool.slots(layer_id), out_loc)
 
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return (self.fi.silu_and_mul if act == "silu" else self.fi.gelu_tanh_and_mul)(gate_up)

@@ -55,15 +55,13 @@ def _forward(backend: AttentionBackend, inputs: PagedInputs, batch: Batch, qkv: 
     pool, outs = get_global_ctx().kv_cache, []
     fused = not isinstance(backend, TorchBackend)
     if fused:
-        _, hkv = inputs.case.heads
         d = inputs.case.head_dim
         identity = torch.cat([torch.ones(inputs.page_table.shape[1], d // 2, device=batch.positions.device),
                               torch.zeros(inputs.page_table.shape[1], d // 2, device=batch.positions.device)], -1)
     for layer, x in enumerate(qkv):
         q, kv = inputs.views(layer, x)
         if fused:
-            qk_rope_store.qk_rope_store(batch.positions, q, kv, identity, None, None, 0.0,
-                                        pool.k_cache(layer).view(-1, hkv, d), pool.v_cache(layer).view(-1, hkv, d),
+            qk_rope_store.qk_rope_store(batch.positions, q, kv, identity, None, None, 0.0, *pool.slots(layer),
                                         batch.out_loc)
         else:
             pool.store_kv(kv, batch.out_loc, layer)

@@ -106,7 +106,7 @@ def _run(case: OpCase, ops: TorchOps, inp: Dict[str, torch.Tensor], fault: Fault
         norms = [SimpleNamespace(weight=inp[w], eps=EPS, offset=case.offset) for w in ("q_weight", "k_weight")]
         table = _table(case, ops, qkv.device, 1.0 + planted(fault, "rope_base"))
         ops.qk_rope_store_(inp["positions"], q, kv, table, norms, pool, 0, inp["out_loc"])
-        slots = [c.view(-1, HEADS[1], d)[inp["out_loc"]] for c in (pool.k_cache(0), pool.v_cache(0))]
+        slots = [c[inp["out_loc"]] for c in pool.slots(0)]
         return {"q": q, "k": slots[0], "v": slots[1]}
     return {"out": ops.act_and_mul(inp["gate_up"], "silu" if case.op == "silu_and_mul" else "gelu_tanh")}
 
