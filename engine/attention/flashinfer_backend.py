@@ -21,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BaseAttnMetadata, layer_windows
+from engine.attention.page_ids import page_ids
 from engine.core import Batch, get_global_ctx
 from engine.models.config import ModelConfig
 
@@ -41,6 +43,7 @@ class _PageLists:
     kv_indptr: torch.Tensor  # [bs + 1] int32, pinned host, in pages
     last_page_len: torch.Tensor  # [bs] int32, pinned host
     kv_indices: torch.Tensor  # [total pages] int32, device: page ids
+    qo_indptr_device: torch.Tensor  # [bs + 1] int32, device
     schedule: tuple  # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores)
 
 
@@ -87,24 +90,21 @@ class FlashInferBackend(AttentionBackend):
 
     def _page_lists(self, batch: Batch) -> _PageLists:
         ps = get_global_ctx().page_size
-        host = torch.tensor(self._entries(batch), dtype=torch.int64)
-        kv_lens, ext, rows = host
-        n = host.shape[1]
-        num_pages = (kv_lens + ps - 1) // ps
-        indptrs = torch.zeros(3, n + 1, dtype=torch.int32, pin_memory=True)  # qo, kv, last_page_len (n entries)
-        indptrs[0, 1:] = ext.cumsum(0)
-        indptrs[1, 1:] = num_pages.cumsum(0)
-        indptrs[2, :n] = torch.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
-        total = int(indptrs[1, n])
-        # page ids: page_table[row, j * page_size] // page_size for page j of each request, in one gather
-        dev = torch.cat([rows, num_pages, indptrs[1, :n].long()]).pin_memory().to(self.device, non_blocking=True)
-        rows_d, pages_d, starts_d = dev.split(n)
-        owner = torch.repeat_interleave(torch.arange(n, device=self.device), pages_d, output_size=total)
-        page_col = (torch.arange(total, device=self.device) - starts_d[owner]) * ps
-        slots = get_global_ctx().page_table[rows_d[owner], page_col]
-        indices = slots if ps == 1 else torch.div(slots, ps, rounding_mode="floor")
+        kv_lens, ext, rows = (np.asarray(column, dtype=np.int64) for column in self._entries(batch))
+        n = len(rows)
+        num_pages = -(-kv_lens // ps)
+        # qo_indptr, kv_indptr, last_page_len (n entries), rows (n): the host's math in numpy (a torch op on host
+        # tensors costs several us of dispatch), one pinned buffer, one copy to the device
+        host = torch.zeros(4, n + 1, dtype=torch.int32, pin_memory=True)
+        a = host.numpy()
+        np.cumsum(ext, out=a[0, 1:])
+        np.cumsum(num_pages, out=a[1, 1:])
+        a[2, :n] = np.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
+        a[3, :n] = rows
+        dev = host.to(self.device, non_blocking=True)
+        indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], int(a[1, n]), ps)
         lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(indptrs[0], indptrs[1], indptrs[2, :n], indices.int(), (n, tuple(lens.tolist())))
+        return _PageLists(host[0], host[1], host[2, :n], indices, dev[0], (n, tuple(lens.tolist())))
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -138,8 +138,7 @@ class FlashInferBackend(AttentionBackend):
     def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any]) -> FlashInferMetadata:
         """cu_seqlens_q covers the batch's own requests (a graph prefill's empty and padding entries follow them):
         the LM head's rows."""
-        qo_indptr = lists.qo_indptr.to(self.device, non_blocking=True)
-        return FlashInferMetadata(cu_seqlens_q=qo_indptr[: batch.size + 1], wrappers=wrappers)
+        return FlashInferMetadata(cu_seqlens_q=lists.qo_indptr_device[: batch.size + 1], wrappers=wrappers)
 
     def _plan_graph(self, bs: int, wrappers: Dict[int, Any], lists: _PageLists) -> None:
         """Fill the graph's static buffers with this batch's pages (every step: a row's next request has other

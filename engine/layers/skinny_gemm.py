@@ -28,6 +28,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from engine.utils.device import programmatic_launch
+
 MAX_ROWS = 16
 TABLE = Path(__file__).with_name("skinny_gemm_tuned.json")
 # what one program may hold in fp32 accumulators: BLOCK_M * BLOCK_N * BLOCK_K <= 128 values a thread
@@ -139,53 +141,17 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bn, bk, warps = config or default_config(bm, n, k, _device_facts(x.device.index or 0)[1])
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    pdl = x.is_cuda and programmatic_launch(x.device.index if x.device.index is not None else 0)
     _kernel()[(-(-n // bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps)
+        USE_PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return y
 
 
 @functools.cache
 def _kernel():
-    """The Triton kernel, built on first use (Triton is imported only on the path that needs it)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        row_ok = rm[:, None] < M
-        col_ok = rn[:, None] < N
-        x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x_ok, w_ok = row_ok, col_ok
-            if not EVEN_K:
-                k_ok = (k0 + rk)[None, :] < K
-                x_ok, w_ok = row_ok & k_ok, col_ok & k_ok
-            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
-            if ACT:  # x holds the gate; the up half is K columns on
-                g = x.to(tl.float32)
-                if ACT == 1:
-                    a = g / (1.0 + tl.exp(-g))
-                else:  # gelu, tanh form: 0.5 g (1 + tanh(u)) = g sigmoid(2u)
-                    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                    a = g / (1.0 + tl.exp(-2.0 * u))
-                x = (a * tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
-                 mask=row_ok & (rn[None, :] < N))
+    """The Triton kernel, imported on first use (Triton is imported only on the path that needs it)."""
+    from engine.layers.skinny_gemm_kernel import skinny_gemm_kernel
 
     return skinny_gemm_kernel

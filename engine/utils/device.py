@@ -94,3 +94,14 @@ def physical_cores() -> int:
             return max(len(os.sched_getaffinity(0)), 1)
     usable = len(os.sched_getaffinity(0))
     return max(min(len(cores), usable), 1)
+
+
+@functools.cache
+def programmatic_launch(index: int) -> bool:
+    """Whether the engine's Triton kernels on this CUDA device launch with programmatic dependent launch (PDL, sm90
+    and later): a kernel may start while the one before it finishes, doing what reads only constant data (a
+    projection's weight) before it waits on the grid before it (gdc_wait). Off under Triton's interpreter, which has
+    no grids to overlap."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9

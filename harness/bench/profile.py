@@ -19,6 +19,7 @@ CATEGORIES = (("q/k norm + rope + kv write", ("qk_rope_store",)),
               ("kv write", ("AppendPagedKV", "index_copy")), ("norm", ("RMSNorm",)), ("rope", ("Rotary",)),
               ("activation", ("act_and_mul",)), ("gemm", ("nvjet", "gemm", "Gemm", "splitK", "cutlass", "sm90_xmma")))
 COPY_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
+SPIN_CYCLES = 2_000_000  # about 1 ms of GPU clock: longer than the host takes to submit a graph
 
 
 @dataclass
@@ -32,10 +33,14 @@ class ReplayProfile:
 
 
 def replay_seconds(graph: Any, repeats: int) -> List[float]:
-    """GPU seconds of each of `repeats` replays of a CUDA graph, timed with CUDA events."""
+    """GPU seconds of each of `repeats` replays of a CUDA graph, timed with CUDA events. A spin kernel ahead of the
+    start event keeps the GPU busy while the host submits the graph (cudaGraphLaunch of a decode graph takes
+    0.15-0.27 ms of host time on the H200's host, during which an idle GPU would already be timing), so the events
+    time the graph's own execution."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         graph.replay()
         end.record()

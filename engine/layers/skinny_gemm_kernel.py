@@ -1,0 +1,58 @@
+"""The skinny GEMM's Triton kernel (skinny_gemm.py has the launch, the configurations and the reasons): each program
+takes BLOCK_N rows of W and walks K in BLOCK_K steps, accumulating x * w per lane in fp32 and reducing once."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def x_tile(x_ptrs, x_ok, K, ACT: tl.constexpr):
+    """A K step of the product's input: x, or act(gate) * up when x holds gate | up (up is K columns on)."""
+    x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    if ACT:
+        g = x.to(tl.float32)
+        if ACT == 1:
+            a = g / (1.0 + tl.exp(-g))
+        else:  # gelu, tanh form: 0.5 g (1 + tanh(u)) = g sigmoid(2u)
+            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            a = g / (1.0 + tl.exp(-2.0 * u))
+        x = (a * tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm[:, None] < M
+    col_ok = rn[:, None] < N
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ok, w_ok = row_ok, col_ok
+    if not EVEN_K:
+        x_ok, w_ok = row_ok & (rk[None, :] < K), col_ok & (rk[None, :] < K)
+    # W is constant: the first K step of it is loaded before waiting on the kernel that writes x (under PDL,
+    # while that kernel finishes); then the next kernel may launch
+    w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = x_tile(x_ptrs, x_ok, K, ACT)
+    acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ok, w_ok = row_ok, col_ok
+        if not EVEN_K:
+            k_ok = (k0 + rk)[None, :] < K
+            x_ok, w_ok = row_ok & k_ok, col_ok & k_ok
+        w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
+        acc += x_tile(x_ptrs, x_ok, K, ACT).to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=row_ok & (rn[None, :] < N))
