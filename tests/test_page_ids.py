@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.layers import skinny_gemm
 
-pytestmark = pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton")
+pytestmark = [pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton"), pytest.mark.devices]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -48,3 +48,64 @@ def test_page_ids_match_their_definition(case):
     assert out.dtype == torch.int32 and out.shape == (int(indptr[-1]),)
     np.testing.assert_array_equal(out.cpu().numpy(), _reference(table, rows, counts, page_size))
 
+
+
+@st.composite
+def _batches(draw):
+    """A decode or prefill batch of requests on distinct rows (a decode's padding: the dummy's row, repeated), and
+    for a graph prefill the bucket its tokens pad up to and the graph's fixed entry count."""
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    n = draw(st.integers(1, 6))
+    phase = draw(st.sampled_from(["decode", "prefill"]))
+    rows = draw(st.permutations(range(8)))[:n]
+    spans = []
+    for _ in range(n):
+        cached = draw(st.integers(0, 70))
+        spans.append((cached, 1 if phase == "decode" else draw(st.integers(1, 40))))
+    graph = phase == "prefill" and draw(st.booleans())
+    pad = draw(st.integers(0, 30)) if graph else 0
+    return page_size, phase, rows, spans, graph, pad, draw(st.integers(0, 2)), draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_batches(), seed=st.integers(0, 2 ** 16))
+def test_the_backends_page_lists_match_their_definition(case, seed):
+    """FlashInferBackend._page_lists (host math in numpy, page ids on the device) against each entry's definition:
+    qo_indptr from the extend lengths, kv_indptr from the page counts, the last page's fill (0 for a graph prefill's
+    empty entry), the page ids, the plan's schedule key; the padding entries of a graph prefill last, on the dummy
+    row, owning the padding tokens."""
+    from engine.attention.flashinfer_backend import FlashInferBackend
+    from engine.core import Batch, Context, Req, set_global_ctx
+
+    page_size, phase, rows, spans, graph, pad, empty, tensor_cores = case
+    dummy_row, width = 8, 112
+    table = np.random.default_rng(seed).integers(0, 1 << 16, size=(9, width)).astype(np.int32)
+    reqs = [Req(torch.zeros(c + e, dtype=torch.int32), row, c, 1, i, None, None)  # type: ignore[arg-type]
+            for i, (row, (c, e)) in enumerate(zip(rows, spans))]
+    batch = Batch(reqs=reqs, phase=phase)
+    batch.padded_reqs = list(reqs)
+    batch.padded_tokens = sum(e for _, e in spans) + pad if graph else 0
+    backend = object.__new__(FlashInferBackend)
+    backend.device, backend.use_tensor_cores = torch.device(DEVICE), tensor_cores
+    n_graph = len(reqs) + empty  # the graph's request entries; the padding entry follows them
+    backend.prefill_graph_reqs, backend.prefill_dummy_row = n_graph, dummy_row
+    ctx = Context(page_size)
+    ctx.page_table = torch.from_numpy(table).to(DEVICE)
+    set_global_ctx(ctx)
+    try:
+        lists = backend._page_lists(batch)
+    finally:
+        set_global_ctx(None)
+    entries = [(c + e, e, row) for row, (c, e) in zip(rows, spans)]
+    if graph:
+        entries += [(0, 0, dummy_row)] * (n_graph - len(reqs)) + [(pad, pad, dummy_row)]
+    pages = [-(-kv // page_size) for kv, _, _ in entries]
+    np.testing.assert_array_equal(lists.qo_indptr.numpy(), np.cumsum([0] + [e for _, e, _ in entries]))
+    np.testing.assert_array_equal(lists.qo_indptr_device.cpu().numpy(), lists.qo_indptr.numpy())
+    np.testing.assert_array_equal(lists.kv_indptr.numpy(), np.cumsum([0] + pages))
+    np.testing.assert_array_equal(lists.last_page_len.numpy(),
+                                  [(kv - 1) % page_size + 1 if kv else 0 for kv, _, _ in entries])
+    np.testing.assert_array_equal(lists.kv_indices.cpu().numpy(),
+                                  _reference(table, [r for _, _, r in entries], pages, page_size))
+    lens = [kv for kv, _, _ in entries] if tensor_cores else pages
+    assert lists.schedule == (len(entries), tuple(lens))

@@ -28,6 +28,7 @@ from engine.attention.base import AttentionBackend, BaseAttnMetadata, layer_wind
 from engine.attention.page_ids import page_ids
 from engine.core import Batch, get_global_ctx
 from engine.models.config import ModelConfig
+from engine.utils.device import pin
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -95,7 +96,7 @@ class FlashInferBackend(AttentionBackend):
         num_pages = -(-kv_lens // ps)
         # qo_indptr, kv_indptr, last_page_len (n entries), rows (n): the host's math in numpy (a torch op on host
         # tensors costs several us of dispatch), one pinned buffer, one copy to the device
-        host = torch.zeros(4, n + 1, dtype=torch.int32, pin_memory=True)
+        host = torch.zeros(4, n + 1, dtype=torch.int32, pin_memory=pin(self.device))
         a = host.numpy()
         np.cumsum(ext, out=a[0, 1:])
         np.cumsum(num_pages, out=a[1, 1:])
