@@ -19,9 +19,10 @@ import torch
 
 from engine.utils.device import programmatic_launch
 
-# Programmatic launch up to a decode batch's size, where the kernel before it is the skinny GEMM; behind a prefill's
-# cuBLAS GEMMs it measured slower (a 4096-token prefill graph 12.5 -> 14.0 ms on the H200)
-PDL_MAX_TOKENS = 16
+# Programmatic launch only where it measured faster (qwen3-0.6b decode graphs on the H200, the skinny GEMM launched
+# so too): bs 1 1039 -> 998 us, bs 2 1087 -> 1049; slower from 4 tokens (bs 4 1141 -> 1229, bs 8 1317 -> 1510) and
+# behind a prefill's cuBLAS GEMMs (a 4096-token prefill graph 12.5 -> 14.0 ms)
+PDL_MAX_TOKENS = 2
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
