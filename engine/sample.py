@@ -23,6 +23,7 @@ A row whose logits contain NaN or have no finite maximum gets token -1 and the o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +101,8 @@ class Sampler:
         """logits [bs, vocab] -> tokens [bs] int64 (-1 for a row with NaN or no finite maximum)."""
         if args.temperatures is None:
             top, tokens = logits.max(dim=-1)  # max propagates NaN, so a NaN row has a non-finite top
-            return torch.where(torch.isfinite(top), tokens, INVALID_TOKEN)
+            # |top| < inf is isfinite (False for NaN and +-inf) in two kernels; torch.isfinite is eq, abs, ne and mul
+            return torch.where(top.abs() < math.inf, tokens, INVALID_TOKEN)
         valid = torch.isfinite(logits.amax(dim=-1))
         logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
         impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch

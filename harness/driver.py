@@ -31,7 +31,7 @@ import torch
 from engine import Engine, ForwardOutput
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import INVALID_TOKEN
-from engine.utils.device import make_device_tensor, pin
+from engine.utils.device import array_to_device, make_device_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class Driver:
             row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
             self.row_pages[row] = np.array(pages, dtype=np.int64)
             slots = self._slots(row, np.arange(npages * self.page_size))
-            self.engine.page_table[row, : len(slots)].copy_(self._to_device(torch.from_numpy(slots).int()))
+            self.engine.page_table[row, : len(slots)].copy_(array_to_device(slots, torch.int32, self.engine.device))
             req = Req(input_ids=torch.tensor(prompt, dtype=torch.int32), table_idx=row, cached_len=0,
                       output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
             admitted.append(_Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len))
@@ -324,9 +324,8 @@ class Driver:
             ids.append(r.input_ids[r.cached_len: r.device_len].numpy())
             pos.append(span)
             slots.append(self._slots(r.table_idx, span))
-        host = torch.from_numpy(np.stack([np.concatenate(ids).astype(np.int64), np.concatenate(pos),
-                                          np.concatenate(slots)]))
-        ids_d, pos_d, slots_d = self._to_device(host).unbind(0)
+        host = np.stack([np.concatenate(ids), np.concatenate(pos), np.concatenate(slots)])
+        ids_d, pos_d, slots_d = array_to_device(host, torch.int64, self.engine.device).unbind(0)
         batch.input_ids, batch.positions, batch.out_loc = ids_d.int(), pos_d.int(), slots_d
 
     def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
@@ -398,9 +397,6 @@ class Driver:
         step.record.host["process"] = time.perf_counter() - t
 
     # ---------------------------------------------------------------------------------------- helpers
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return (host.pin_memory() if pin(self.engine.device) else host).to(self.engine.device, non_blocking=True)
-
     def _close_records(self, first: int) -> None:
         end = time.perf_counter()
         records = self.steps[first:]

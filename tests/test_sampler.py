@@ -164,7 +164,7 @@ def test_invalid_sampling_params_raise(kwargs: dict) -> None:
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 @pytest.mark.parametrize("greedy", [False, True])
 def test_bad_rows_give_minus_one_and_leave_the_others_alone(bad: float, greedy: bool) -> None:
     good = torch.tensor([1.0, -0.5, 3.0, 0.0, 2.2, -4.0, 2.5, 0.5])

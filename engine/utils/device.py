@@ -6,6 +6,7 @@ import functools
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -67,6 +68,15 @@ def pin(device: torch.device) -> bool:
 def make_device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor, copied asynchronously from pinned memory on CUDA."""
     return torch.tensor(values, dtype=dtype, pin_memory=pin(device)).to(device, non_blocking=True)
+
+
+def array_to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a device tensor: written straight into pinned memory on CUDA, then copied asynchronously.
+    Pinning a tensor after the fact (tensor.pin_memory()) asks the driver whether it is pinned first, which
+    measured 0.1-0.5 ms a call on the H200's host."""
+    host = torch.empty(array.shape, dtype=dtype, pin_memory=pin(device))
+    host.numpy()[...] = array
+    return host.to(device, non_blocking=True)
 
 
 def free_memory(device: torch.device) -> int:
