@@ -49,7 +49,6 @@ def test_page_ids_match_their_definition(case):
     np.testing.assert_array_equal(out.cpu().numpy(), _reference(table, rows, counts, page_size))
 
 
-
 @st.composite
 def _batches(draw):
     """A decode or prefill batch of requests on distinct rows (a decode's padding: the dummy's row, repeated), and
