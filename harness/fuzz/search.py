@@ -1,8 +1,9 @@
 """The search: hypothesis over configurations, and for each configuration over workloads against one engine.
 
 The outer search (hypothesis.find over harness.fuzz.strategies.configs) draws a configuration and gives it a phase:
-an inner find over workloads against that configuration's engine, for a share of the budget, in chunks of examples
-(find stops at max_examples; the chunks give it a time budget). The first failure fixes the bug being shrunk (its
+an inner find over workloads against that configuration's engine, for a share of the budget of at most MAX_PHASE
+seconds (a longer budget draws more configurations, not longer phases), in chunks of examples (find stops at
+max_examples; the chunks give it a time budget). The first failure fixes the bug being shrunk (its
 invariant and stage): hypothesis shrinks the workload to a minimal one failing the same way, then the outer search
 shrinks the configuration, re-running only that workload and only the runs that failure needs. Shrinking gets half
 the budget on top of it. Verdicts are memoized per workload and configuration, so hypothesis's replays agree.
@@ -31,8 +32,11 @@ from harness.fuzz.strategies import configs, dtypes, workloads
 from harness.report import REPO_ROOT
 
 FUZZ_DIR = REPO_ROOT / "build" / "fuzz"
-PHASES = 4  # configurations a budget is shared among at least (more when phases end early)
+PHASES = 4  # configurations a budget is shared among at least (more when phases end early or reach MAX_PHASE)
 MIN_PHASE = 15.0  # seconds
+# a 20-minute CPU search in 4 phases of 300 s drew 4 configurations, all with pages of 4, the whole prefill budget and
+# overlap; in phases of 60 s (about 40 cases each on a 2-core host) it draws 20
+MAX_PHASE = 60.0
 MAX_CHUNK = 50
 
 
@@ -84,7 +88,7 @@ class _Search:
         self.start = time.monotonic()
         self.setup = 0.0  # seconds spent building engines: not search, kept off the budget's clock
         self.deadline = opts.budget
-        self.phase_seconds = max(opts.budget / PHASES, min(MIN_PHASE, opts.budget))
+        self.phase_seconds = min(max(opts.budget / PHASES, min(MIN_PHASE, opts.budget)), MAX_PHASE)
         self.shrink_seconds = opts.budget / 2
         self.failed_at: float | None = None
         self.phases: List[PhaseStats] = []
