@@ -45,7 +45,8 @@ def qk_rope_store(positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, ta
     if n == 0:
         return
     norm = q_weight is not None
-    pdl = n <= PDL_MAX_TOKENS and programmatic_launch(q.device)
+    index = q.device.index if q.device.index is not None else 0
+    pdl = n <= PDL_MAX_TOKENS and q.is_cuda and programmatic_launch(index)
     _kernel()[(n, hq + hkv)](
         positions, q, kv, table, q_weight if norm else table, k_weight if norm else table, k_pool, v_pool, out_loc,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), table.stride(0), k_pool.stride(0),

@@ -144,7 +144,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bn, bk, warps = config or default_config(bm, n, k, _device_facts(x.device.index or 0)[1])
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    pdl = programmatic_launch(x.device)
+    pdl = x.is_cuda and programmatic_launch(x.device.index if x.device.index is not None else 0)
     _kernel()[(-(-n // bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

@@ -108,11 +108,11 @@ def physical_cores() -> int:
 
 
 @functools.cache
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether the engine's Triton kernels on this device launch with programmatic dependent launch (PDL, CUDA sm90
+def programmatic_launch(index: int) -> bool:
+    """Whether the engine's Triton kernels on this CUDA device launch with programmatic dependent launch (PDL, sm90
     and later): a kernel may start while the one before it finishes, doing what reads only constant data (a
-    projection's weight) before it waits on the grid before it (gdc_wait). Off the GPU, and under Triton's
-    interpreter, which has no grids to overlap."""
-    if not is_cuda(device) or os.environ.get("TRITON_INTERPRET") == "1":
+    projection's weight) before it waits on the grid before it (gdc_wait). Off under Triton's interpreter, which has
+    no grids to overlap."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0] >= 9
