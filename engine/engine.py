@@ -213,8 +213,8 @@ class Engine:
         for req in batch.reqs:
             if req.device_len > self.max_seq_len:
                 raise ValueError(f"request {req.uid}: {req.device_len} tokens exceed max_seq_len {self.max_seq_len}")
-            ids = req.input_ids[req.cached_len: req.device_len]
-            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            ids = req.input_ids[req.cached_len: req.device_len].numpy()  # numpy: a torch op on the host costs more
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
                 bad = ids[(ids < 0) | (ids >= vocab)][:5].tolist()
                 raise ValueError(f"request {req.uid}: token ids {bad} are outside the vocabulary [0, {vocab})")
             if not (0 <= req.table_idx < self.config.max_running_req):

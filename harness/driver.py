@@ -31,7 +31,7 @@ import torch
 from engine import Engine, ForwardOutput
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import INVALID_TOKEN
-from engine.utils.device import array_to_device, make_device_tensor
+from engine.utils.device import make_device_tensor, pin, pinned
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +128,15 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if p in self.held:
-                self.held.remove(p)
-            else:
-                self.double_frees += 1
+        given = set(pages)
+        if len(given) == len(pages) and given <= self.held:  # the usual case, in set operations (a 4096-token
+            self.held -= given  # request's pages took 0.4 ms one by one)
+        else:
+            for p in pages:
+                if p in self.held:
+                    self.held.remove(p)
+                else:
+                    self.double_frees += 1
         self.free_pages.extend(pages)
 
     def check_no_leak(self) -> None:
@@ -247,7 +251,8 @@ class Driver:
             row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
             self.row_pages[row] = np.array(pages, dtype=np.int64)
             slots = self._slots(row, np.arange(npages * self.page_size))
-            self.engine.page_table[row, : len(slots)].copy_(array_to_device(slots, torch.int32, self.engine.device))
+            self.engine.page_table[row, : len(slots)].copy_(pinned(slots, torch.int32, self.engine.device),
+                                                            non_blocking=True)
             req = Req(input_ids=torch.tensor(prompt, dtype=torch.int32), table_idx=row, cached_len=0,
                       output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
             admitted.append(_Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len))
@@ -318,15 +323,22 @@ class Driver:
         batch.positions = positions.int()
 
     def _prefill_inputs(self, batch: Batch) -> None:
-        ids, pos, slots = [], [], []
+        """Ids and positions (int32) and KV slots (int64) of the batch's new tokens, in one pinned buffer and one
+        copy: the int32 rows first, the slots as int64 pairs after them."""
+        n = sum(r.extend_len for r in batch.reqs)
+        host = torch.empty(4 * n, dtype=torch.int32, pin_memory=pin(self.engine.device))
+        a = host.numpy()
+        ids, pos, slots = a[:n], a[n: 2 * n], a[2 * n:].view(np.int64)
+        start = 0
         for r in batch.reqs:
             span = np.arange(r.cached_len, r.device_len)
-            ids.append(r.input_ids[r.cached_len: r.device_len].numpy())
-            pos.append(span)
-            slots.append(self._slots(r.table_idx, span))
-        host = np.stack([np.concatenate(ids), np.concatenate(pos), np.concatenate(slots)])
-        ids_d, pos_d, slots_d = array_to_device(host, torch.int64, self.engine.device).unbind(0)
-        batch.input_ids, batch.positions, batch.out_loc = ids_d.int(), pos_d.int(), slots_d
+            end = start + len(span)
+            ids[start:end] = r.input_ids[r.cached_len: r.device_len].numpy()
+            pos[start:end] = span
+            slots[start:end] = self._slots(r.table_idx, span)
+            start = end
+        dev = host.to(self.engine.device, non_blocking=True)
+        batch.input_ids, batch.positions, batch.out_loc = dev[:n], dev[n: 2 * n], dev[2 * n:].view(torch.int64)
 
     def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
         pages = self.row_pages[row]

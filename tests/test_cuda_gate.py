@@ -23,13 +23,15 @@ MODEL = "tiny-qwen3"
 
 
 def _extend_misses_its_newest_key(original: Callable) -> Callable:
-    """Wrong length: a prefill over a cached prefix sees one key fewer (the page list's last page one short)."""
-    def page_lists(self, batch):
-        lists = original(self, batch)
-        if batch.is_prefill and any(r.cached_len > 0 for r in batch.padded_reqs):
-            lists.last_page_len.sub_(1).clamp_(min=1)
-        return lists
-    return page_lists
+    """Wrong length: a prefill over a cached prefix sees one key fewer (its attention entry one key short, on the
+    eager and the graph path alike)."""
+    def entries(self, batch):
+        kv_lens, ext, rows = original(self, batch)
+        if batch.is_prefill:
+            kv_lens = [kv - 1 if i < len(batch.padded_reqs) and batch.padded_reqs[i].cached_len > 0 else kv
+                       for i, kv in enumerate(kv_lens)]
+        return [kv_lens, ext, rows]
+    return entries
 
 
 def _graph_decode_scale(original: Callable) -> Callable:
@@ -63,7 +65,7 @@ def _rope_positions_in_bf16(original: Callable) -> Callable:
 
 
 FAULTS: Dict[str, tuple] = {  # name -> (owner, attribute, wrapper, the one path it lives on)
-    "extend misses its newest key": (FlashInferBackend, "_page_lists", _extend_misses_its_newest_key, "prefix"),
+    "extend misses its newest key": (FlashInferBackend, "_entries", _extend_misses_its_newest_key, "prefix"),
     "decode graphs with 1.25 x the softmax scale": (FlashInferBackend, "prepare_for_capture", _graph_decode_scale,
                                                     "batch"),
     "paged keys through fp8": (qk_rope_store, "qk_rope_store", _paged_keys_in_fp8, "paged"),

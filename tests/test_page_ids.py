@@ -88,6 +88,8 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     backend.device, backend.use_tensor_cores = torch.device(DEVICE), tensor_cores
     n_graph = len(reqs) + empty  # the graph's request entries; the padding entry follows them
     backend.prefill_graph_reqs, backend.prefill_dummy_row = n_graph, dummy_row
+    backend.pg_meta = torch.full((5, n_graph + 2), -7, dtype=torch.int32, device=DEVICE)  # a graph's static buffers
+    backend.pg_indices = torch.full((width * (n_graph + 1),), -7, dtype=torch.int32, device=DEVICE)
     ctx = Context(page_size)
     ctx.page_table = torch.from_numpy(table).to(DEVICE)
     set_global_ctx(ctx)
@@ -106,5 +108,13 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
                                   [(kv - 1) % page_size + 1 if kv else 0 for kv, _, _ in entries])
     np.testing.assert_array_equal(lists.kv_indices.cpu().numpy(),
                                   _reference(table, [r for _, _, r in entries], pages, page_size))
+    np.testing.assert_array_equal(lists.kv_lens.numpy(), [kv for kv, _, _ in entries])
+    np.testing.assert_array_equal(lists.kv_lens_device.cpu().numpy(), lists.kv_lens.numpy())
+    if graph:  # a graph prefill's lists are the static buffers its wrappers read
+        assert lists.kv_indices.data_ptr() == backend.pg_indices.data_ptr()
+        n = len(entries)
+        for row, host in ((0, lists.qo_indptr), (1, lists.kv_indptr), (2, lists.last_page_len)):
+            np.testing.assert_array_equal(backend.pg_meta[row, : len(host)].cpu().numpy(), host.numpy())
+        assert backend.pg_meta.shape[1] == n + 1
     lens = [kv for kv, _, _ in entries] if tensor_cores else pages
     assert lists.schedule == (len(entries), tuple(lens))

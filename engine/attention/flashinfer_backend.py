@@ -46,6 +46,8 @@ class _PageLists:
     kv_indices: torch.Tensor  # [total pages] int32, device: page ids
     qo_indptr_device: torch.Tensor  # [bs + 1] int32, device
     schedule: tuple  # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores)
+    kv_lens: torch.Tensor  # [bs] int32, pinned host
+    kv_lens_device: torch.Tensor  # [bs] int32, device
 
 
 class FlashInferBackend(AttentionBackend):
@@ -71,6 +73,7 @@ class FlashInferBackend(AttentionBackend):
         self.graph_plan: tuple | None = None  # the schedule the last graph plan was made for
         self.graph_indptr = self.graph_indices = self.graph_last_page_len = None
         self.prefill_graph: Dict[int, Any] = {}  # window_left -> graph-mode prefill wrapper (init_prefill_graphs)
+        self.prefill_graph_planned = False  # its first plan made (the one that sizes the work arrays)
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
@@ -94,18 +97,26 @@ class FlashInferBackend(AttentionBackend):
         kv_lens, ext, rows = (np.asarray(column, dtype=np.int64) for column in self._entries(batch))
         n = len(rows)
         num_pages = -(-kv_lens // ps)
-        # qo_indptr, kv_indptr, last_page_len (n entries), rows (n): the host's math in numpy (a torch op on host
-        # tensors costs several us of dispatch), one pinned buffer, one copy to the device
-        host = torch.zeros(4, n + 1, dtype=torch.int32, pin_memory=pin(self.device))
+        # qo_indptr, kv_indptr, last_page_len (n entries), rows (n), kv lengths (n): the host's math in numpy (a torch
+        # op on host tensors costs several us of dispatch), one pinned buffer, one copy to the device (a graph
+        # prefill's: into the static buffers its wrappers read)
+        host = torch.zeros(5, n + 1, dtype=torch.int32, pin_memory=pin(self.device))
         a = host.numpy()
         np.cumsum(ext, out=a[0, 1:])
         np.cumsum(num_pages, out=a[1, 1:])
         a[2, :n] = np.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
         a[3, :n] = rows
-        dev = host.to(self.device, non_blocking=True)
-        indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], int(a[1, n]), ps)
+        a[4, :n] = kv_lens
+        graph = batch.is_prefill and batch.padded_tokens
+        if graph:
+            dev, out = self.pg_meta, self.pg_indices
+            dev.copy_(host, non_blocking=True)
+        else:
+            dev, out = host.to(self.device, non_blocking=True), None
+        indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], int(a[1, n]), ps, out)
         lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(host[0], host[1], host[2, :n], indices, dev[0], (n, tuple(lens.tolist())))
+        return _PageLists(host[0], host[1], host[2, :n], indices, dev[0], (n, tuple(lens.tolist())), host[4, :n],
+                          dev[4, :n])
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -116,12 +127,18 @@ class FlashInferBackend(AttentionBackend):
         lists = self._page_lists(batch)
         self.planned.synchronize()
         graph = self.graph_wrappers.get(batch.padded_size) if batch.is_decode else None
-        if batch.is_prefill:
-            # graph mode copies the lists into the graph's static buffers (the first plan sizes its work arrays)
+        if batch.is_prefill and batch.padded_tokens and self.prefill_graph_planned:
+            wrappers = self.prefill_graph
+            for w, wrapper in wrappers.items():
+                self._fast_prefill_plan(wrapper, lists, w)
+        elif batch.is_prefill:
+            # the first graph-mode plan (at the largest bucket) sizes the work arrays, and copies the lists into
+            # the static buffers they are already in
             wrappers = self.prefill_graph if batch.padded_tokens else self.prefill
             for w, wrapper in wrappers.items():
                 wrapper.plan(lists.qo_indptr, lists.kv_indptr, lists.kv_indices, lists.last_page_len,
                              head_dim_qk=self.head_dim, causal=True, **self._plan_args(w))
+            self.prefill_graph_planned |= bool(batch.padded_tokens)
         elif graph is not None:
             wrappers = graph
             self._plan_graph(batch.padded_size, graph, lists)
@@ -135,6 +152,24 @@ class FlashInferBackend(AttentionBackend):
         for w, wrapper in wrappers.items():
             wrapper.plan(lists.kv_indptr, lists.kv_indices, lists.last_page_len, head_dim=self.head_dim,
                          **self._plan_args(w))
+
+    def _fast_prefill_plan(self, wrapper: Any, lists: _PageLists, window_left: int) -> None:
+        """A graph-mode prefill plan for lists already in the wrapper's static buffers: what wrapper.plan does after
+        its first call (the lengths run() reads, the kernel lengths' buffer, then the scheduler), without its
+        host-side torch ops, copies and checks. A replay reads the new work arrays; the graph holds the rest."""
+        n = len(lists.kv_lens)
+        qo, kv_lens = lists.qo_indptr.numpy(), lists.kv_lens.numpy()
+        # what run() checks and passes on (a capture records them)
+        wrapper._qo_indptr_last, wrapper._max_q_len = int(qo[-1]), int(np.diff(qo).max())
+        wrapper._max_kv_len = int(kv_lens.max())
+        wrapper._kv_lens_buffer[:n].copy_(lists.kv_lens_device, non_blocking=True)
+        args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                wrapper._pin_memory_int_workspace_buffer, lists.qo_indptr, lists.kv_indptr, lists.kv_lens,
+                wrapper._max_total_num_rows, n, self.num_qo_heads, self.num_kv_heads, get_global_ctx().page_size,
+                True, self.head_dim, self.head_dim, True, window_left]
+        if wrapper._backend == "fa2":
+            args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas: plan's defaults
+        wrapper._plan_info = wrapper._cached_module.plan(*args)
 
     def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any]) -> FlashInferMetadata:
         """cu_seqlens_q covers the batch's own requests (a graph prefill's empty and padding entries follow them):
@@ -162,6 +197,11 @@ class FlashInferBackend(AttentionBackend):
         kv_cache = get_global_ctx().kv_cache
         paged = (kv_cache.k_cache(layer_id), kv_cache.v_cache(layer_id))
         wrapper = batch.attn_metadata.wrappers[self.layer_window_left[layer_id]]
+        if batch.is_prefill:
+            # every row belongs to an entry and is written, so the output needs none of the zeros FlashInfer's
+            # prefill fills it with by default (one kernel a layer)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            return wrapper.run(q, paged, out=out).view(q.shape[0], -1)
         return wrapper.run(q, paged).view(q.shape[0], -1)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
@@ -207,11 +247,10 @@ class FlashInferBackend(AttentionBackend):
         entries = max_reqs + 1
         int32 = dict(dtype=torch.int32, device=self.device)
         self.prefill_graph_reqs, self.prefill_dummy_row = max_reqs, dummy_row
-        self.pg_qo_indptr = torch.zeros(entries + 1, **int32)
-        self.pg_kv_indptr = torch.zeros(entries + 1, **int32)
-        self.pg_last_page_len = torch.ones(entries, **int32)
+        # the rows of _page_lists' host buffer: qo_indptr, kv_indptr, last_page_len, rows, kv lengths
+        self.pg_meta = torch.zeros(5, entries + 1, **int32)
         self.pg_indices = torch.zeros(max_reqs * -(-max_seq_len // ps) + -(-max_tokens // ps), **int32)
         self.prefill_graph = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self.pg_qo_indptr,
-            paged_kv_indptr_buf=self.pg_kv_indptr, paged_kv_indices_buf=self.pg_indices,
-            paged_kv_last_page_len_buf=self.pg_last_page_len) for w in self.windows}
+            self.workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self.pg_meta[0],
+            paged_kv_indptr_buf=self.pg_meta[1], paged_kv_indices_buf=self.pg_indices,
+            paged_kv_last_page_len_buf=self.pg_meta[2, :entries]) for w in self.windows}

@@ -16,10 +16,10 @@ BLOCK = 1024  # pages a program writes per loop step
 
 
 def page_ids(page_table: torch.Tensor, kv_indptr: torch.Tensor, rows: torch.Tensor, total: int,
-             page_size: int) -> torch.Tensor:
+             page_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [total] page ids for entries with page-table rows `rows` [n] and page offsets kv_indptr [n + 1] (both
-    int32, on page_table's device; kv_indptr[n] == total)."""
-    out = torch.empty(total, dtype=torch.int32, device=page_table.device)
+    int32, on page_table's device; kv_indptr[n] == total), written into out[:total] when given."""
+    out = torch.empty(total, dtype=torch.int32, device=page_table.device) if out is None else out[:total]
     n = rows.shape[0]
     if n and total:
         page_ids_kernel[(n,)](page_table, page_table.stride(0), kv_indptr, rows, out, PAGE_SIZE=page_size,

@@ -3,12 +3,12 @@ written into the KV pool at their slots, in Triton.
 
 Unfused, these are four kernels a layer (q norm, k norm, RoPE, the KV append), each reading and writing the heads
 again; at a batch-1 decode step of a 0.6B model on the H200 they took 187 us of a 1.36 ms step, most of it launch
-and tail, where this kernel takes 58 us (reports/bench/cuda-qwen3-0.6b). One program takes one head of one token:
-it loads the head's two halves once, normalizes them in fp32 (weight product in fp32, one rounding, as FlashInfer's
-rmsnorm), rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.rope_table: HF's cos/sin
-rounded to the model dtype) and rounds once, as FlashInfer's RoPE does; a q head is written back in place, a k head
-and its v head go to the pool. Programs are independent, so a
-token's result does not depend on the batch it runs in (graph padding, prefill buckets).
+and tail, where this kernel takes 58 us (reports/bench/cuda-qwen3-0.6b). One program takes one head of BLOCK_T
+tokens: it loads each token's two halves once, normalizes them in fp32 (weight product in fp32, one rounding, as
+FlashInfer's rmsnorm), rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.rope_table:
+HF's cos/sin rounded to the model dtype) and rounds once, as FlashInfer's RoPE does; a q head is written back in
+place, a k head and its v head go to the pool. A token's arithmetic is its own row of the tile, and the tile's shape
+is fixed, so its result does not depend on the batch it runs in (graph padding, prefill buckets).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from engine.utils.device import programmatic_launch
 # so too): bs 1 1039 -> 998 us, bs 2 1087 -> 1049; slower from 4 tokens (bs 4 1141 -> 1229, bs 8 1317 -> 1510) and
 # behind a prefill's cuBLAS GEMMs (a 4096-token prefill graph 12.5 -> 14.0 ms)
 PDL_MAX_TOKENS = 2
+# Tokens a program takes. One token a program (a one-warp program of 128 values) left a 4096-token prefill's layer
+# latency-bound: 61 us a layer for 32 MB of heads on the H200.
+BLOCK_T = 16
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -47,11 +50,12 @@ def qk_rope_store(positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, ta
     norm = q_weight is not None
     index = q.device.index if q.device.index is not None else 0
     pdl = n <= PDL_MAX_TOKENS and q.is_cuda and programmatic_launch(index)
-    _kernel()[(n, hq + hkv)](
-        positions, q, kv, table, q_weight if norm else table, k_weight if norm else table, k_pool, v_pool, out_loc,
+    _kernel()[(-(-n // BLOCK_T), hq + hkv)](
+        positions, q, kv, table, q_weight if norm else table, k_weight if norm else table, k_pool, v_pool, out_loc, n,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), table.stride(0), k_pool.stride(0),
         k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), eps,
-        HQ=hq, HALF=d // 2, HAS_NORM=norm, USE_PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
+        HQ=hq, HALF=d // 2, HAS_NORM=norm, USE_PDL=pdl, BLOCK_T=BLOCK_T, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
 
 
 @functools.cache
@@ -61,47 +65,51 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def qk_rope_store_kernel(pos_ptr, q_ptr, kv_ptr, table_ptr, qw_ptr, kw_ptr, k_pool_ptr, v_pool_ptr, loc_ptr,
+    def qk_rope_store_kernel(pos_ptr, q_ptr, kv_ptr, table_ptr, qw_ptr, kw_ptr, k_pool_ptr, v_pool_ptr, loc_ptr, N,
                              stride_qn, stride_qh, stride_kvn, stride_kv2, stride_kvh, stride_table,
                              stride_ks, stride_kh, stride_vs, stride_vh, eps,
-                             HQ: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                             HQ: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+                             BLOCK_T: tl.constexpr):
         if USE_PDL:  # everything it reads may come from the kernel before it: it only starts sooner
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        t = tl.program_id(0)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        ok = t < N
         h = tl.program_id(1)
         is_q = h < HQ
         j = h - HQ  # the KV head, for h >= HQ
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, HALF)[None, :]
+        rows = t[:, None].to(tl.int64)
+        m = ok[:, None]
         if is_q:
-            src = q_ptr + t.to(tl.int64) * stride_qn + h * stride_qh
+            src = q_ptr + rows * stride_qn + h * stride_qh
             w_ptr = qw_ptr
         else:
-            src = kv_ptr + t.to(tl.int64) * stride_kvn + j * stride_kvh
+            src = kv_ptr + rows * stride_kvn + j * stride_kvh
             w_ptr = kw_ptr
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + HALF + d).to(tl.float32)
+        x1 = tl.load(src + d, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=m, other=0.0).to(tl.float32)
         dtype = q_ptr.dtype.element_ty
         if HAS_NORM:
-            rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+            rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
             x1 = (x1 * rms * tl.load(w_ptr + d).to(tl.float32)).to(dtype).to(tl.float32)
             x2 = (x2 * rms * tl.load(w_ptr + HALF + d).to(tl.float32)).to(dtype).to(tl.float32)
-        row = table_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_table
-        cos = tl.load(row + d)
-        sin = tl.load(row + HALF + d)
+        row = table_ptr + tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int64)[:, None] * stride_table
+        cos = tl.load(row + d, mask=m, other=0.0)
+        sin = tl.load(row + HALF + d, mask=m, other=0.0)
         y1 = (x1 * cos - x2 * sin).to(dtype)
         y2 = (x2 * cos + x1 * sin).to(dtype)
         if is_q:
-            tl.store(src + d, y1)
-            tl.store(src + HALF + d, y2)
+            tl.store(src + d, y1, mask=m)
+            tl.store(src + HALF + d, y2, mask=m)
         else:
-            slot = tl.load(loc_ptr + t)
+            slot = tl.load(loc_ptr + t, mask=ok, other=0)[:, None]
             k_dst = k_pool_ptr + slot * stride_ks + j * stride_kh
-            tl.store(k_dst + d, y1)
-            tl.store(k_dst + HALF + d, y2)
+            tl.store(k_dst + d, y1, mask=m)
+            tl.store(k_dst + HALF + d, y2, mask=m)
             v_src = src + stride_kv2
             v_dst = v_pool_ptr + slot * stride_vs + j * stride_vh
-            tl.store(v_dst + d, tl.load(v_src + d))
-            tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d))
+            tl.store(v_dst + d, tl.load(v_src + d, mask=m), mask=m)
+            tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d, mask=m), mask=m)
 
     return qk_rope_store_kernel
