@@ -1,0 +1,125 @@
+"""python -m harness.bench.host_profile --model NAME [--device cuda]: where the host's time goes in prefill and decode
+steps through the driver, function by function.
+
+For each prefill length and decode batch size: the driver's own timers by part (harness/bench/profile.py's
+host_parts: build, plan, sample_prep, launch, process, wait, medians), cProfile over a run of them (the Python
+functions, by own and by cumulative time: cProfile's own overhead inflates both, so compare within a table, not with
+the timers), torch.profiler's table of aten ops and CUDA runtime calls for the smallest prefill and batch (CUPTI's
+tracing slows cudaGraphLaunch several times over: read its row from cProfile's torch/cuda/graphs.py replay instead),
+and on CUDA the replayed graph's GPU time by kind of kernel. Host speed differs between machines of one kind by up to
+1.5x: compare two revisions in one run (`python -m harness bench --against`), or normalise by a part both share.
+Writes OUT/summary.json, OUT/cprofile_<step>.txt and OUT/torch_<step>.txt, and prints the timers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict
+
+import torch
+
+from engine import Engine, EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness import zoo
+from harness.bench.profile import by_category, host_parts, profile_prefill, profile_replay
+from harness.bench.workloads import engine_decode, engine_prefill, random_ids
+from harness.driver import Driver
+
+SIZES = {"cuda": ([128, 512, 4096], [1, 256], 512), "cpu": ([32, 128], [1, 8], 64)}  # prefill lengths, bs, context
+
+
+def _stats(prof: cProfile.Profile, key: str, rows: int = 40) -> str:
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(rows)
+    return out.getvalue()
+
+
+def _cprofile(run: Callable[[], Any], path: Path) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    path.write_text(_stats(prof, "tottime") + _stats(prof, "cumulative", 60))
+
+
+def _torch_profile(run: Callable[[], Any], path: Path, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run()
+    path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45,
+                                              max_name_column_width=70))
+
+
+def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[str, Any]:
+    cuda = device.startswith("cuda")
+    lengths, sizes, ctx = SIZES["cuda" if cuda else "cpu"]
+    zoo.prepare(model)
+    engine = Engine(EngineConfig(
+        model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=torch.bfloat16 if cuda else torch.float32,
+        device=device, max_running_req=max(sizes), use_dummy_weight=not zoo.MODELS[model].has_weights,
+        max_seq_len_override=max(max(lengths), ctx + 2 * repeats + 8) + 64))
+    vocab = engine.config.model_config.vocab_size
+    driver = Driver(engine, max_prefill_tokens=8192)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: Dict[str, Any] = {"model": model, "device": device}
+    try:
+        for n in lengths:
+            name = f"prefill{n}"
+            summary[name] = {"host": host_parts(engine_prefill(driver, n, vocab, repeats))}
+            ids = random_ids(n, vocab, seed=n)
+
+            def prefills(times: int = 2 * repeats) -> None:
+                for _ in range(times):
+                    driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+            _cprofile(prefills, out / f"cprofile_{name}.txt")
+            if n == lengths[0]:
+                _torch_profile(lambda: prefills(5), out / f"torch_{name}.txt", cuda)
+            replay = profile_prefill(engine, n) if cuda else None
+            if replay is not None:
+                summary[name].update(replay_s=replay.replay_s, gpu_us_by_kind=by_category(replay.top_kernels))
+        for bs in sizes:
+            name = f"decode{bs}"
+            summary[name] = {"host": host_parts(engine_decode(driver, bs, ctx, 2 * repeats, vocab))}
+            prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]
+
+            def decodes(steps: int = 2 * repeats) -> None:
+                driver.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
+            _cprofile(decodes, out / f"cprofile_{name}.txt")
+            if bs == sizes[0]:
+                _torch_profile(lambda: decodes(repeats), out / f"torch_{name}.txt", cuda)
+            replay = profile_replay(engine, bs) if cuda else None
+            if replay is not None:
+                summary[name].update(replay_s=replay.replay_s, gpu_us_by_kind=by_category(replay.top_kernels))
+    finally:
+        engine.shutdown()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.bench.host_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b", choices=list(zoo.MODELS))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=Path("build/host-profile"))
+    p.add_argument("--repeats", type=int, default=10, help="timed prefills per length (decode: twice as many steps)")
+    args = p.parse_args(argv)
+    summary = host_profile(args.model, args.device, args.out, args.repeats)
+    for name, part in summary.items():
+        if isinstance(part, dict):
+            host = " ".join(f"{k} {v * 1e3:.3f}" for k, v in part["host"].items())
+            gpu = f"; graph replay {part['replay_s'] * 1e3:.3f} ms" if "replay_s" in part else ""
+            print(f"{name}: host ms: {host}{gpu}")
+    print(f"wrote {args.out}/summary.json, cprofile_*.txt, torch_*.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
