@@ -64,7 +64,7 @@ def test_empty_prompt(engine):
         Driver(engine).generate([[]], SamplingParams(max_tokens=1))
 
 
-@pytest.mark.parametrize("bad", [-1, 49152])
+@pytest.mark.parametrize("bad", [-1, 49152, 2 ** 31])  # 2 ** 31: no int32 holds it
 def test_token_id_outside_vocabulary(engine, bad):
     with pytest.raises(ValueError, match=rf"token ids \[{bad}\] are outside the vocabulary \[0, 49152\)"):
         Driver(engine).generate([[1, bad, 2]], SamplingParams(max_tokens=1))
