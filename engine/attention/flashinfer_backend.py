@@ -31,6 +31,7 @@ from engine.models.config import ModelConfig
 from engine.utils.device import pin
 
 WORKSPACE_BYTES = 256 << 20
+FAST_PLAN_FLASHINFER = "0.6.13"  # the release whose prefill plan _fast_prefill_plan follows (and was tested with)
 
 
 @dataclass
@@ -74,6 +75,9 @@ class FlashInferBackend(AttentionBackend):
         self.graph_indptr = self.graph_indices = self.graph_last_page_len = None
         self.prefill_graph: Dict[int, Any] = {}  # window_left -> graph-mode prefill wrapper (init_prefill_graphs)
         self.prefill_graph_planned = False  # its first plan made (the one that sizes the work arrays)
+        # _fast_prefill_plan calls the scheduler with the argument list of this FlashInfer release; other releases
+        # plan through wrapper.plan every time
+        self.plan_prefill_directly = flashinfer.__version__ == FAST_PLAN_FLASHINFER
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
@@ -127,7 +131,7 @@ class FlashInferBackend(AttentionBackend):
         lists = self._page_lists(batch)
         self.planned.synchronize()
         graph = self.graph_wrappers.get(batch.padded_size) if batch.is_decode else None
-        if batch.is_prefill and batch.padded_tokens and self.prefill_graph_planned:
+        if batch.is_prefill and batch.padded_tokens and self.prefill_graph_planned and self.plan_prefill_directly:
             wrappers = self.prefill_graph
             for w, wrapper in wrappers.items():
                 self._fast_prefill_plan(wrapper, lists, w)
