@@ -1,9 +1,12 @@
-"""bench --against: the paired-ratio statistics on known samples; through real runner processes, two identical
-engines show no difference (the interval covers 1) and a planted sleep per forward is found slower, by the time it
-adds; `--against HEAD` runs end to end from a temporary worktree, which is removed afterwards."""
+"""bench --against: the paired-ratio and rounds statistics on known samples; through real runner processes, two
+identical engines show no difference (the interval covers 1) and a planted sleep per forward is found slower, by the
+time it adds; a bias planted per process (a sleep one process of each round has) is a false difference within a
+round and none over the rounds; `--against HEAD` runs end to end from a temporary worktree, which is removed
+afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import subprocess
@@ -11,14 +14,15 @@ import subprocess
 import pytest
 
 from harness.__main__ import build_parser
-from harness.bench.ab_stats import paired_ratio
-from harness.bench.against import AgainstSpec, Side, _setup, compare_rows, measure, run_against
+from harness.bench.ab_stats import paired_ratio, rounds_ratio
+from harness.bench.against import AgainstSpec, Side, _setup, compare_rows, measure, measure_rounds, run_against
 from harness.report import REPO_ROOT
 
 SLEEP_S = 0.1  # planted per forward: large against a tiny model's step, even on a loaded host
 # a sleep never returns early, and the steps after one measured more than it: 0.099-0.111 s added for 0.1 planted on
 # idle and loaded 2-core hosts (CI's among them); the added time must come out in [0.95, 1.25] x SLEEP_S
 ADDED_RANGE = (0.95 * SLEEP_S, 1.25 * SLEEP_S)
+BIAS_S = 0.05  # the per-process bias: several times a tiny model's CPU step
 # confidence 0.999: the identical pair's false-alarm rate is 0.1% per workload
 SPEC = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=4, prefill_lengths=(16,), repeats=6, confidence=0.999)
 
@@ -36,6 +40,17 @@ def test_paired_ratio_on_known_samples():
     assert got.verdict == "no difference" and got.low < 1 < got.high
     with pytest.raises(ValueError, match="at least 2"):
         paired_ratio([1.0], [1.0])
+    # rounds: the interval over the rounds' mean log ratios, whatever the spread inside a round
+    rounds = [[0.08, 0.12], [-0.01, 0.01], [0.05, 0.03]]  # log(ref / new) by round and pair; means 0.1, 0, 0.04
+    got = rounds_ratio([[math.exp(d) for d in r] for r in rounds], [[1.0, 1.0]] * 3, confidence=0.95)
+    means = [0.1, 0.0, 0.04]
+    half = 4.302652729911275 * statistics.stdev(means) / math.sqrt(3)  # t(0.975, 2)
+    assert got.ratio == pytest.approx(math.exp(statistics.fmean(means)))
+    assert (got.low, got.high) == pytest.approx((math.exp(statistics.fmean(means) - half),
+                                                 math.exp(statistics.fmean(means) + half)))
+    assert got.n == 3 and got.noise == pytest.approx(statistics.stdev(means)) and got.verdict == "no difference"
+    one = rounds_ratio([[1.0, 1.2, 0.9]], [[2.0, 2.4, 1.8]])  # one round: the pairs' interval
+    assert (one.ratio, one.n, one.verdict) == (0.5, 3, "slower")
 
 
 def test_identical_engines_agree_and_a_planted_sleep_is_slower():
@@ -47,10 +62,10 @@ def test_identical_engines_agree_and_a_planted_sleep_is_slower():
     finally:
         for side in sides:
             side.close()
-    for same, slow in zip(compare_rows("tiny-qwen3", SPEC, samples, "ref", "new"),
-                          compare_rows("tiny-qwen3", SPEC, samples, "ref", "slow")):
+    for same, slow in zip(compare_rows("tiny-qwen3", SPEC, [samples], "ref", "new"),
+                          compare_rows("tiny-qwen3", SPEC, [samples], "ref", "slow")):
         # each of the slow side's measured forwards slept SLEEP_S: the median of its pairs' differences is that
-        added = statistics.median(s - r for r, s in zip(slow["ref_samples"], slow["new_samples"]))
+        added = statistics.median(s - r for r, s in zip(slow["ref_samples"][0], slow["new_samples"][0]))
         print(f"{same['workload']}: identical {same['ratio']:.3f} [{same['ci_low']:.3f}, {same['ci_high']:.3f}]; "
               f"planted {slow['ratio']:.3f} [{slow['ci_low']:.3f}, {slow['ci_high']:.3f}], added {added:.4f} s")
         assert same["verdict"] == "no difference" and same["ci_low"] <= 1 <= same["ci_high"]
@@ -58,14 +73,33 @@ def test_identical_engines_agree_and_a_planted_sleep_is_slower():
         assert ADDED_RANGE[0] <= added <= ADDED_RANGE[1]
 
 
+def test_a_bias_of_each_process_is_noise_over_rounds():
+    """One tree on both sides; in each round one of the two processes sleeps BIAS_S a forward, the ref side's in even
+    rounds and the new side's in odd ones (a process slower for its whole life, as a real one can be). Within a round
+    the pairs see a difference that is only that process's; over the rounds the interval covers 1."""
+    spec = dataclasses.replace(SPEC, rounds=4, repeats=3, confidence=0.95)
+    setup = _setup("tiny-qwen3", "cpu", spec)
+    sleep = {"AB_STEP_SLEEP_MS": str(1e3 * BIAS_S)}
+
+    def sides(r: int) -> list:
+        return [Side("ref", REPO_ROOT, sleep if r % 2 == 0 else None), Side("new", REPO_ROOT, sleep if r % 2 else None)]
+    rounds = measure_rounds(sides, setup, spec)
+    for w, row in enumerate(compare_rows("tiny-qwen3", spec, rounds, "ref", "new")):
+        per_round = [compare_rows("tiny-qwen3", spec, [rnd], "ref", "new")[w] for rnd in rounds]
+        print(row["workload"], [f"{p['ratio']:.2f} {p['verdict']}" for p in per_round],
+              f"over rounds {row['ratio']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]")
+        assert [p["verdict"] for p in per_round] == ["faster", "slower"] * 2
+        assert row["verdict"] == "no difference" and row["rounds"] == 4 and row["repeats"] == 12
+
+
 def test_against_head_runs_end_to_end(tmp_path):
-    args = build_parser().parse_args(["bench", "--against", "HEAD", "--repeats", "2"])
-    assert (args.against, args.repeats) == ("HEAD", 2)
-    spec = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=3, prefill_lengths=(16,), repeats=2)
+    args = build_parser().parse_args(["bench", "--against", "HEAD", "--repeats", "2", "--rounds", "2"])
+    assert (args.against, args.repeats, args.rounds) == ("HEAD", 2, 2)
+    spec = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=3, prefill_lengths=(16,), repeats=2, rounds=2)
     result = run_against("HEAD", "cpu", ["tiny-qwen3"], spec, tmp_path)
     head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert result["ref"]["commit"] == head.stdout.strip() and result["new"]["tree"] == str(REPO_ROOT)
-    assert [(r["workload"], r["repeats"]) for r in result["rows"]] == [("decode", 2), ("prefill", 2)]
+    assert [(r["workload"], r["rounds"], r["repeats"]) for r in result["rows"]] == [("decode", 2, 4), ("prefill", 2, 4)]
     assert all(r["verdict"] in ("faster", "slower", "no difference") for r in result["rows"])
     md = (tmp_path / "against.md").read_text()
     assert "## Reference: HEAD" in md and "## New: this tree" in md and (tmp_path / "against.json").is_file()

@@ -22,7 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead: compare this tree with REF (a git revision or a folder holding another checkout), "
                         "both engines interleaved in this run, each row a ratio with its confidence interval "
                         "(default model: smollm2-135m on cpu, qwen3-0.6b on cuda); writes against.md")
-    p.add_argument("--repeats", type=int, help="--against: paired repeats per workload (default: 5 cpu, 10 cuda)")
+    p.add_argument("--repeats", type=int, help="--against: paired repeats per workload and round (default: 3 cpu, "
+                                               "4 cuda)")
+    p.add_argument("--rounds", type=int, help="--against: rounds, each a fresh pair of processes; the interval is over "
+                                              "them (default 4)")
     add_update_flag(p)
     p.set_defaults(func=_command)
 

@@ -4,8 +4,10 @@ REF is a git revision (checked out into a temporary worktree, removed afterwards
 checkout. Each side runs in its own process (harness/bench/ab_runner.py of this tree, with PYTHONPATH at the side's
 tree: one engine per process, the other revision's own engine and driver). Both run the same workloads, interleaved:
 repeat i measures every side back to back, the order turning each repeat (A B, B A, ...), so drift of the host hits
-both. Each row: the medians, the ratio reference / new with its confidence interval from the paired repeats
-(ab_stats), and a verdict. Writes <reports>/bench/<device>/against.{md,json}.
+both. A run is several rounds, each with a fresh pair of processes (which starts first turning too), because a
+process keeps a speed of its own for its whole life (ab_stats). Each row: the medians, the ratio reference / new with
+its confidence interval over the rounds (ab_stats.rounds_ratio), and a verdict. Writes
+<reports>/bench/<device>/against.{md,json}.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
-from harness.bench.ab_stats import paired_ratio
+from harness.bench.ab_stats import rounds_ratio
 from harness.report import REPO_ROOT, markdown_table, provenance, provenance_markdown, text_table, write_json
 
 RUNNER = Path(__file__).with_name("ab_runner.py")
@@ -37,7 +39,8 @@ class AgainstSpec:
     decode_ctx: int
     decode_steps: int  # decode steps per repeat; a repeat's sample is their median
     prefill_lengths: Tuple[int, ...]
-    repeats: int
+    repeats: int  # paired repeats per round
+    rounds: int = 4  # fresh pairs of processes; the interval is over the rounds
     prefill_runs: int = 3  # prefills per repeat; a repeat's sample is their median
     confidence: float = 0.95
 
@@ -47,7 +50,7 @@ class AgainstSpec:
                 [{"workload": "prefill", "length": n, "runs": self.prefill_runs} for n in self.prefill_lengths])
 
 
-SPECS = {"cpu": AgainstSpec((1, 8), 128, 8, (128, 512), 5), "cuda": AgainstSpec((1, 64, 256), 512, 32, (128, 512), 10)}
+SPECS = {"cpu": AgainstSpec((1, 8), 128, 8, (128, 512), 3), "cuda": AgainstSpec((1, 64, 256), 512, 32, (128, 512), 4)}
 
 
 # ------------------------------------------------------------------------------------------------ the revisions
@@ -160,19 +163,35 @@ def measure(sides: Sequence[Side], setup: Dict[str, Any], spec: AgainstSpec) -> 
     return samples
 
 
-def compare_rows(model: str, spec: AgainstSpec, samples: Dict[str, List[List[float]]], ref: str,
+def measure_rounds(make_sides: Callable[[int], List[Side]], setup: Dict[str, Any],
+                   spec: AgainstSpec) -> List[Dict[str, List[List[float]]]]:
+    """measure() once per round, each round on the fresh sides make_sides(round) starts (closed after it)."""
+    rounds = []
+    for r in range(spec.rounds):
+        with ExitStack() as stack:
+            sides = make_sides(r)
+            for side in sides:
+                stack.callback(side.close)
+            rounds.append(measure(sides, setup, spec))
+    return rounds
+
+
+def compare_rows(model: str, spec: AgainstSpec, rounds: List[Dict[str, List[List[float]]]], ref: str,
                  new: str) -> List[Dict[str, Any]]:
+    """One row per workload from the rounds' samples (measure's output, one per round)."""
     import statistics
 
     rows = []
-    for workload, ref_s, new_s in zip(spec.workloads(), samples[ref], samples[new]):
-        stat = paired_ratio(ref_s, new_s, spec.confidence)
+    for w, workload in enumerate(spec.workloads()):
+        ref_r, new_r = [rnd[ref][w] for rnd in rounds], [rnd[new][w] for rnd in rounds]
+        stat = rounds_ratio(ref_r, new_r, spec.confidence)
+        ref_all, new_all = [x for r in ref_r for x in r], [x for r in new_r for x in r]
         rows.append({"model": model, "workload": workload["workload"], "batch_size": workload.get("bs", 1),
                      "length": workload.get("ctx", workload.get("length")),
-                     "ref_median_s": statistics.median(ref_s), "new_median_s": statistics.median(new_s),
+                     "ref_median_s": statistics.median(ref_all), "new_median_s": statistics.median(new_all),
                      "ratio": stat.ratio, "ci_low": stat.low, "ci_high": stat.high,
-                     "noise_pct": 100 * stat.noise, "repeats": stat.n, "verdict": stat.verdict,
-                     "ref_samples": ref_s, "new_samples": new_s})
+                     "noise_pct": 100 * stat.noise, "rounds": len(rounds), "repeats": len(ref_all),
+                     "verdict": stat.verdict, "ref_samples": ref_r, "new_samples": new_r})
     return rows
 
 
@@ -182,11 +201,11 @@ def run_against(ref: str, device: str, models: List[str], spec: AgainstSpec, out
     with checkout(ref) as (ref_tree, ref_prov):
         for model in models:
             setup = _setup(model, device, spec)
-            with ExitStack() as stack:
-                sides = [Side(name, tree) for name, tree in (("ref", ref_tree), ("new", REPO_ROOT))]
-                for side in sides:
-                    stack.callback(side.close)
-                rows += compare_rows(model, spec, measure(sides, setup, spec), "ref", "new")
+            trees = [("ref", ref_tree), ("new", REPO_ROOT)]
+
+            def sides(r: int) -> List[Side]:
+                return [Side(name, tree) for name, tree in (trees if r % 2 == 0 else trees[::-1])]
+            rows += compare_rows(model, spec, measure_rounds(sides, setup, spec), "ref", "new")
     result = {"device": device, "spec": asdict(spec), "rows": rows, "ref": ref_prov,
               "new": tree_provenance(REPO_ROOT, "this tree"),
               "host": provenance(device, dtype=DTYPES[device.split(":")[0]])}
@@ -195,7 +214,7 @@ def run_against(ref: str, device: str, models: List[str], spec: AgainstSpec, out
 
 
 COLUMNS = ["model", "workload", "batch_size", "length", "ref_median_s", "new_median_s", "ratio", "ci_low", "ci_high",
-           "noise_pct", "repeats", "verdict"]
+           "noise_pct", "rounds", "repeats", "verdict"]
 
 
 def write_against_report(result: Dict[str, Any], out_dir: Path) -> Path:
@@ -205,14 +224,17 @@ def write_against_report(result: Dict[str, Any], out_dir: Path) -> Path:
     md = (f"# This tree against {result['ref']['named']} on {result['host']['device_name']} "
           f"({result['host']['dtype']})\n\n"
           "Both revisions ran the same workloads in this one run, each engine in its own process, interleaved: "
-          f"repeat i measured every side back to back, the order turning each repeat; {spec['repeats']} repeats after "
-          "one warm-up. decode: the median period of a repeat's decode steps through the driver (bs requests at "
+          f"{spec['rounds']} rounds, each a fresh pair of processes (which starts first turning), of "
+          f"{spec['repeats']} repeats after one warm-up; repeat i measured every side back to back, the order turning "
+          "each repeat. decode: the median period of a repeat's decode steps through the driver (bs requests at "
           f"context {spec['decode_ctx']}, {spec['decode_steps']} steps); prefill: the median of a repeat's "
           f"{spec['prefill_runs']} prefill steps of one request through the driver, each the time to its first "
-          "token. ratio = reference time / new time, the geometric mean over the pairs, with its "
-          f"{100 * spec['confidence']:.0f}% t-interval on the pairs' log ratios: above 1 the new revision is faster. "
-          "verdict: faster or slower when the whole interval lies on one side of 1, else no difference at the "
-          "noise measured (noise_pct: the standard deviation of one pair's log ratio).\n\n"
+          "token. ratio = reference time / new time: the mean over the rounds of each round's mean log ratio, "
+          f"exponentiated, with its {100 * spec['confidence']:.0f}% t-interval over the rounds (a process keeps a "
+          "speed of its own for its whole life, so the rounds, not the pairs, are the independent draws): above 1 the "
+          "new revision is faster. verdict: faster or slower when the whole interval lies on one side of 1, else no "
+          "difference at the noise measured (noise_pct: the standard deviation of one round's mean log ratio); "
+          "repeats: the pairs in all.\n\n"
           f"{markdown_table(result['rows'], COLUMNS)}\n"
           f"## Reference: {result['ref']['named']}\n{provenance_markdown(result['ref'])}\n"
           f"## New: this tree\n{provenance_markdown(result['new'])}\n"
@@ -227,9 +249,14 @@ def command(args: Any) -> int:
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     spec = SPECS[device]
     if args.repeats is not None:
-        if args.repeats < 2:
-            raise SystemExit("--repeats must be >= 2 (the interval needs at least two pairs)")
+        if args.repeats < 1:
+            raise SystemExit("--repeats must be >= 1")
         spec = AgainstSpec(**{**asdict(spec), "repeats": args.repeats})
+    if args.rounds is not None:
+        if args.rounds < 2:
+            raise SystemExit("--rounds must be >= 2 (the interval is over the rounds: one pair of processes cannot "
+                             "tell its own bias from a difference)")
+        spec = AgainstSpec(**{**asdict(spec), "rounds": args.rounds})
     out_dir = report_root(args.update_reports) / "bench" / device
     result = run_against(args.against, args.device, args.model or DEFAULT_MODELS[device], spec, out_dir)
     print(text_table(result["rows"], COLUMNS))
