@@ -1,5 +1,6 @@
 """python -m harness.bench.host_profile on the CPU: every step kind gets the driver's timers, a cProfile table that
-names the driver's own step functions, and torch.profiler's table."""
+names the driver's launch and the engine's forward (the two largest by cumulative time: the table keeps the top 60),
+and torch.profiler's table."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ def test_host_profile_names_where_each_step_spends_its_time(tmp_path):
     assert main(["--model", "tiny-qwen3", "--device", "cpu", "--out", str(tmp_path), "--repeats", "2"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     lengths, sizes, _ = SIZES["cpu"]
-    steps = {f"prefill{n}": "_prefill_inputs" for n in lengths} | {f"decode{b}": "_decode_inputs" for b in sizes}
-    for step, own_function in steps.items():
+    for step in [f"prefill{n}" for n in lengths] + [f"decode{b}" for b in sizes]:
         host = summary[step]["host"]
         assert host["period"] > 0 and host["launch"] > 0 and host["host_busy"] <= 1.5 * host["period"], (step, host)
-        assert own_function in (tmp_path / f"cprofile_{step}.txt").read_text(), step
+        table = (tmp_path / f"cprofile_{step}.txt").read_text()
+        assert "driver.py" in table and "(_launch)" in table and "(forward_batch)" in table, step
     for step in (f"prefill{lengths[0]}", f"decode{sizes[0]}"):
         assert "aten::" in (tmp_path / f"torch_{step}.txt").read_text()
