@@ -25,29 +25,22 @@ Verdict = str  # "faster", "slower" or "no difference" (the new revision against
 
 @dataclass(frozen=True)
 class PairedRatio:
-    ratio: float  # reference time / new time, geometric mean over the pairs
+    ratio: float  # reference time / new time: exp of the mean log ratio (over the pairs, or the rounds' means)
     low: float  # the confidence interval of the ratio
     high: float
-    noise: float  # standard deviation of the pairs' log ratios (about the relative noise of one pair)
-    n: int
+    noise: float  # standard deviation of those log ratios (about the relative noise of one pair, or one round)
+    n: int  # pairs, or rounds
     confidence: float
     verdict: Verdict
 
 
 def paired_ratio(ref: Sequence[float], new: Sequence[float], confidence: float = 0.95) -> PairedRatio:
     """faster when the whole interval lies above 1, slower when below, else no difference at this noise."""
-    from scipy.stats import t
-
     if len(ref) != len(new) or len(ref) < 2:
         raise ValueError(f"paired repeats needed, at least 2 of each: got {len(ref)} and {len(new)}")
     if min(ref) <= 0 or min(new) <= 0:
         raise ValueError("times must be positive")
-    logs = [math.log(r / n) for r, n in zip(ref, new)]
-    n, mean, sd = len(logs), statistics.fmean(logs), statistics.stdev(logs)
-    half = float(t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
-    low, high = math.exp(mean - half), math.exp(mean + half)
-    verdict = "faster" if low > 1 else "slower" if high < 1 else "no difference"
-    return PairedRatio(math.exp(mean), low, high, sd, n, confidence, verdict)
+    return _log_ratio_interval([math.log(r / n) for r, n in zip(ref, new)], confidence)
 
 
 def rounds_ratio(ref_rounds: Sequence[Sequence[float]], new_rounds: Sequence[Sequence[float]],
@@ -55,8 +48,6 @@ def rounds_ratio(ref_rounds: Sequence[Sequence[float]], new_rounds: Sequence[Seq
     """The ratio over rounds of paired repeats, each round a fresh pair of processes: the mean over rounds of each
     round's mean log ratio, its t-interval over the rounds; noise is the standard deviation of a round's mean. One
     round: paired_ratio over its pairs, an interval that leaves the processes' own bias out."""
-    from scipy.stats import t
-
     if len(ref_rounds) != len(new_rounds) or not ref_rounds:
         raise ValueError(f"the same rounds on both sides needed: got {len(ref_rounds)} and {len(new_rounds)}")
     if len(ref_rounds) == 1:
@@ -66,8 +57,15 @@ def rounds_ratio(ref_rounds: Sequence[Sequence[float]], new_rounds: Sequence[Seq
         if len(ref) != len(new) or not ref or min(ref) <= 0 or min(new) <= 0:
             raise ValueError("each round needs paired, positive times")
         means.append(statistics.fmean(math.log(r / n) for r, n in zip(ref, new)))
-    k, mean, sd = len(means), statistics.fmean(means), statistics.stdev(means)
-    half = float(t.ppf((1 + confidence) / 2, k - 1)) * sd / math.sqrt(k)
+    return _log_ratio_interval(means, confidence)
+
+
+def _log_ratio_interval(logs: Sequence[float], confidence: float) -> PairedRatio:
+    """exp(mean) of independent log ratios with its t-interval and the verdict it gives."""
+    from scipy.stats import t
+
+    n, mean, sd = len(logs), statistics.fmean(logs), statistics.stdev(logs)
+    half = float(t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
     low, high = math.exp(mean - half), math.exp(mean + half)
     verdict = "faster" if low > 1 else "slower" if high < 1 else "no difference"
-    return PairedRatio(math.exp(mean), low, high, sd, k, confidence, verdict)
+    return PairedRatio(math.exp(mean), low, high, sd, n, confidence, verdict)
