@@ -70,34 +70,30 @@ def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[
     driver = Driver(engine, max_prefill_tokens=8192)
     out.mkdir(parents=True, exist_ok=True)
     summary: Dict[str, Any] = {"model": model, "device": device}
+
+    def step(name: str, records: list, run: Callable[[int], None], first: bool, replay: Callable[[], Any]) -> None:
+        """The timers of records, cProfile over run(2 x repeats), torch.profiler over run(5) for the first size,
+        then the graph this step replays (as the last run left it)."""
+        summary[name] = {"host": host_parts(records)}
+        _cprofile(lambda: run(2 * repeats), out / f"cprofile_{name}.txt")
+        if first:
+            _torch_profile(lambda: run(5), out / f"torch_{name}.txt", cuda)
+        profile = replay() if cuda else None
+        if profile is not None:
+            summary[name].update(replay_s=profile.replay_s, gpu_us_by_kind=by_category(profile.top_kernels))
+
     try:
         for n in lengths:
-            name = f"prefill{n}"
-            summary[name] = {"host": host_parts(engine_prefill(driver, n, vocab, repeats))}
             ids = random_ids(n, vocab, seed=n)
-
-            def prefills(times: int = 2 * repeats) -> None:
-                for _ in range(times):
-                    driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
-            _cprofile(prefills, out / f"cprofile_{name}.txt")
-            if n == lengths[0]:
-                _torch_profile(lambda: prefills(5), out / f"torch_{name}.txt", cuda)
-            replay = profile_prefill(engine, n) if cuda else None
-            if replay is not None:
-                summary[name].update(replay_s=replay.replay_s, gpu_us_by_kind=by_category(replay.top_kernels))
+            step(f"prefill{n}", engine_prefill(driver, n, vocab, repeats),
+                 lambda times: [driver.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+                                for _ in range(times)],
+                 n == lengths[0], lambda: profile_prefill(engine, n))
         for bs in sizes:
-            name = f"decode{bs}"
-            summary[name] = {"host": host_parts(engine_decode(driver, bs, ctx, 2 * repeats, vocab))}
             prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]
-
-            def decodes(steps: int = 2 * repeats) -> None:
-                driver.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True))
-            _cprofile(decodes, out / f"cprofile_{name}.txt")
-            if bs == sizes[0]:
-                _torch_profile(lambda: decodes(repeats), out / f"torch_{name}.txt", cuda)
-            replay = profile_replay(engine, bs) if cuda else None
-            if replay is not None:
-                summary[name].update(replay_s=replay.replay_s, gpu_us_by_kind=by_category(replay.top_kernels))
+            step(f"decode{bs}", engine_decode(driver, bs, ctx, 2 * repeats, vocab),
+                 lambda steps: driver.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True)),
+                 bs == sizes[0], lambda: profile_replay(engine, bs))
     finally:
         engine.shutdown()
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
