@@ -172,12 +172,12 @@ class Engine:
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         if batch.is_prefill:
             self._check_prefill(batch)
-        if batch.out_loc.dtype != torch.int64:  # the pool's index_copy_ takes int64 slots
-            batch.out_loc = batch.out_loc.long()
         with self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
-                logits = self.graph_runner.replay(batch)
+                logits = self.graph_runner.replay(batch)  # its copy into the static int64 slots converts int32 ones
             else:
+                if batch.out_loc.dtype != torch.int64:  # the pool's index_copy_ takes int64 slots
+                    batch.out_loc = batch.out_loc.long()
                 logits = self.model.forward()
         for req in batch.reqs:
             req.complete_one()

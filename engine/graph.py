@@ -6,10 +6,11 @@ dummy request, whose page-table row points at the dummy page, so its KV writes n
 
 Prefill and extend: a batch of at most prefill_max_reqs requests and n <= the largest bucket tokens replays the graph
 of the smallest bucket T >= n. Its attention is FlashInfer's graph-mode paged prefill, planned outside the graph
-before each replay into the graph's static buffers, with a fixed number of entries: the requests, empty entries,
-and last a padding entry that owns the T - n padding tokens, whose page list is the dummy page (their KV writes land
-there). The graph ends at the final norm's hidden states [T, H]; the LM head runs after the replay on the rows the
-batch asks for, with the shapes of the eager path.
+before each replay into the graph's static buffers (the graph itself starts with the backend's graph_prologue: the
+page ids), with a fixed number of entries: the requests, empty entries, and last a padding entry that owns the T - n
+padding tokens, whose page list is the dummy page (their KV writes land there). The graph ends at the final norm's
+hidden states [T, H]; the LM head runs after the replay on the rows the batch asks for, with the shapes of the eager
+path.
 
 Other batches, and every batch on a CPU, run eagerly.
 """
@@ -103,13 +104,17 @@ class GraphRunner:
             # the first plan, at the largest t, sizes the wrappers' work arrays
             self.attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
-                self.model.model(batch.input_ids)  # warm-up: lazy allocations happen outside the capture
+                self._prefill_forward(batch)  # warm-up: lazy allocations happen outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.hidden[t] = self.model.model(batch.input_ids)
+                    self.hidden[t] = self._prefill_forward(batch)
             pool = graph.pool()
             self.prefill_graphs[t] = graph
         return pool
+
+    def _prefill_forward(self, batch: Batch) -> torch.Tensor:
+        self.attn_backend.graph_prologue(batch)
+        return self.model.model(batch.input_ids)
 
     def _capture_decode(self, stream: Any, pool: Any) -> None:
         if not self.graph_bs:
@@ -179,6 +184,8 @@ class GraphRunner:
         else:
             batch.input_ids, batch.positions = self.input_ids[:size], self.positions[:size]
             batch.out_loc = self.out_loc[:size]
+        if n == size:  # nothing to pad (each op below costs host time even on an empty slice)
+            return
         self.input_ids[n:size].zero_()
         if batch.is_prefill:
             self.positions[n:size].copy_(self.pad_positions[: size - n])

@@ -83,7 +83,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             got = self.pages.alloc(n)
             held = {p for h in self.holders for p in h}
             assert not held & set(got) and len(set(got)) == n
-            if got:
+            if len(got):
                 self.holders.append(got)
 
     @precondition(lambda self: self.holders)
@@ -93,10 +93,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pages.free(got)
         self.freed.append(got)
 
-    @precondition(lambda self: any(self.freed))
+    @precondition(lambda self: any(len(g) for g in self.freed))
     @rule(i=st.integers(0, 100))
     def free_twice(self, i):
-        again = [g for g in self.freed if g][i % len([g for g in self.freed if g])]
+        again = [g for g in self.freed if len(g)][i % len([g for g in self.freed if len(g)])]
         self.pages.free(again)
         self.double = True
 

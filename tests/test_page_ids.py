@@ -61,8 +61,8 @@ def _batches(draw):
     for _ in range(n):
         cached = draw(st.integers(0, 70))
         spans.append((cached, 1 if phase == "decode" else draw(st.integers(1, 40))))
-    graph = phase == "prefill" and draw(st.booleans())
-    pad = draw(st.integers(0, 30)) if graph else 0
+    graph = draw(st.booleans())  # a graph prefill, or a decode the graph of its size replays
+    pad = draw(st.integers(0, 30)) if graph and phase == "prefill" else 0
     return page_size, phase, rows, spans, graph, pad, draw(st.integers(0, 2)), draw(st.booleans())
 
 
@@ -72,7 +72,8 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     """FlashInferBackend._page_lists (host math in numpy, page ids on the device) against each entry's definition:
     qo_indptr from the extend lengths, kv_indptr from the page counts, the last page's fill (0 for a graph prefill's
     empty entry), the page ids, the plan's schedule key; the padding entries of a graph prefill last, on the dummy
-    row, owning the padding tokens."""
+    row, owning the padding tokens. A graph's lists are in the static buffers its wrappers read; a graph prefill's
+    page ids are gathered by its graph_prologue."""
     from engine.attention.flashinfer_backend import FlashInferBackend
     from engine.core import Batch, Context, Req, set_global_ctx
 
@@ -83,22 +84,29 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
             for i, (row, (c, e)) in enumerate(zip(rows, spans))]
     batch = Batch(reqs=reqs, phase=phase)
     batch.padded_reqs = list(reqs)
-    batch.padded_tokens = sum(e for _, e in spans) + pad if graph else 0
+    graph_prefill, graph_decode = graph and phase == "prefill", graph and phase == "decode"
+    batch.padded_tokens = sum(e for _, e in spans) + pad if graph_prefill else 0
     backend = object.__new__(FlashInferBackend)
     backend.device, backend.use_tensor_cores = torch.device(DEVICE), tensor_cores
     n_graph = len(reqs) + empty  # the graph's request entries; the padding entry follows them
     backend.prefill_graph_reqs, backend.prefill_dummy_row = n_graph, dummy_row
-    backend.pg_meta = torch.full((5, n_graph + 2), -7, dtype=torch.int32, device=DEVICE)  # a graph's static buffers
-    backend.pg_indices = torch.full((width * (n_graph + 1),), -7, dtype=torch.int32, device=DEVICE)
+    static = dict(dtype=torch.int32, device=DEVICE)
+    backend.pg_meta = torch.full((5, n_graph + 2), -7, **static)  # the graphs' static buffers
+    backend.pg_indices = torch.full((width * (n_graph + 1),), -7, **static)
+    backend.dg_meta = torch.full((5, len(reqs) + 1 + empty), -7, **static)  # decode graphs up to len + empty
+    backend.graph_indices = torch.full((width * (len(reqs) + empty),), -7, **static)
+    backend.graph_wrappers = {len(reqs): {}} if graph_decode else {}
     ctx = Context(page_size)
     ctx.page_table = torch.from_numpy(table).to(DEVICE)
     set_global_ctx(ctx)
     try:
         lists = backend._page_lists(batch)
+        if graph_prefill:
+            backend.graph_prologue(batch)
     finally:
         set_global_ctx(None)
     entries = [(c + e, e, row) for row, (c, e) in zip(rows, spans)]
-    if graph:
+    if graph_prefill:
         entries += [(0, 0, dummy_row)] * (n_graph - len(reqs)) + [(pad, pad, dummy_row)]
     pages = [-(-kv // page_size) for kv, _, _ in entries]
     np.testing.assert_array_equal(lists.qo_indptr.numpy(), np.cumsum([0] + [e for _, e, _ in entries]))
@@ -109,12 +117,14 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     np.testing.assert_array_equal(lists.kv_indices.cpu().numpy(),
                                   _reference(table, [r for _, _, r in entries], pages, page_size))
     np.testing.assert_array_equal(lists.kv_lens.numpy(), [kv for kv, _, _ in entries])
-    np.testing.assert_array_equal(lists.kv_lens_device.cpu().numpy(), lists.kv_lens.numpy())
-    if graph:  # a graph prefill's lists are the static buffers its wrappers read
-        assert lists.kv_indices.data_ptr() == backend.pg_indices.data_ptr()
-        n = len(entries)
-        for row, host in ((0, lists.qo_indptr), (1, lists.kv_indptr), (2, lists.last_page_len)):
-            np.testing.assert_array_equal(backend.pg_meta[row, : len(host)].cpu().numpy(), host.numpy())
-        assert backend.pg_meta.shape[1] == n + 1
+    if graph:  # a graph's lists are the static buffers its wrappers read
+        meta, indices = (backend.pg_meta, backend.pg_indices) if graph_prefill else (backend.dg_meta,
+                                                                                     backend.graph_indices)
+        assert lists.kv_indices.data_ptr() == indices.data_ptr()
+        assert lists.qo_indptr_device.data_ptr() == meta.data_ptr()
+        for row, host in ((0, lists.qo_indptr), (1, lists.kv_indptr), (2, lists.last_page_len), (4, lists.kv_lens)):
+            np.testing.assert_array_equal(meta[row, : len(host)].cpu().numpy(), host.numpy())
+        np.testing.assert_array_equal(meta[3, : len(entries)].cpu().numpy(), [r for _, _, r in entries])
+        assert (indices[len(lists.kv_indices):] == -7).all()  # nothing written past the lists
     lens = [kv for kv, _, _ in entries] if tensor_cores else pages
     assert lists.schedule == (len(entries), tuple(lens))

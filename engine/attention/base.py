@@ -45,6 +45,10 @@ class AttentionBackend(ABC):
     def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError
 
+    def graph_prologue(self, batch: Batch) -> None:
+        """Device work of the metadata that reads only static buffers, run inside a graph before the model (so that
+        its replay does it, not the host before it); nothing by default."""
+
     def init_prefill_graphs(self, max_reqs: int, max_tokens: int, max_seq_len: int, dummy_row: int) -> None:
         """Static buffers for prefill graphs of up to max_reqs requests and max_tokens tokens; prepare_metadata
         then plans a batch with padded_tokens set into them."""

@@ -13,7 +13,8 @@ counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its
 reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
 Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers, planned before each
-replay (init_prefill_graphs).
+replay (init_prefill_graphs); they gather their page ids themselves (graph_prologue). A graph's page lists reach its
+static buffers in one host-to-device copy a step (_page_lists).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class _PageLists:
     qo_indptr_device: torch.Tensor  # [bs + 1] int32, device
     schedule: tuple  # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores)
     kv_lens: torch.Tensor  # [bs] int32, pinned host
-    kv_lens_device: torch.Tensor  # [bs] int32, device
 
 
 class FlashInferBackend(AttentionBackend):
@@ -72,7 +72,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores) for w in self.windows}
         self.graph_wrappers: Dict[int, Dict[int, Any]] = {}  # padded bs -> window_left -> wrapper
         self.graph_plan: tuple | None = None  # the schedule the last graph plan was made for
-        self.graph_indptr = self.graph_indices = self.graph_last_page_len = None
+        self.dg_meta = self.graph_indices = None  # the decode graphs' static page lists (init_capture_graph)
         self.prefill_graph: Dict[int, Any] = {}  # window_left -> graph-mode prefill wrapper (init_prefill_graphs)
         self.prefill_graph_planned = False  # its first plan made (the one that sizes the work arrays)
         # _fast_prefill_plan calls the scheduler with the argument list of this FlashInfer release; other releases
@@ -101,26 +101,34 @@ class FlashInferBackend(AttentionBackend):
         kv_lens, ext, rows = (np.asarray(column, dtype=np.int64) for column in self._entries(batch))
         n = len(rows)
         num_pages = -(-kv_lens // ps)
+        graph_prefill = batch.is_prefill and bool(batch.padded_tokens)
+        static = (self.pg_meta if graph_prefill else
+                  self.dg_meta if batch.is_decode and batch.padded_size in self.graph_wrappers else None)
         # qo_indptr, kv_indptr, last_page_len (n entries), rows (n), kv lengths (n): the host's math in numpy (a torch
-        # op on host tensors costs several us of dispatch), one pinned buffer, one copy to the device (a graph
-        # prefill's: into the static buffers its wrappers read)
-        host = torch.zeros(5, n + 1, dtype=torch.int32, pin_memory=pin(self.device))
+        # op on host tensors costs several us of dispatch), one pinned buffer, one copy to the device (a graph's: the
+        # whole static buffer its wrappers read, one contiguous block)
+        host = torch.zeros(5, n + 1 if static is None else static.shape[1], dtype=torch.int32,
+                           pin_memory=pin(self.device))
         a = host.numpy()
-        np.cumsum(ext, out=a[0, 1:])
-        np.cumsum(num_pages, out=a[1, 1:])
+        np.cumsum(ext, out=a[0, 1: n + 1])
+        np.cumsum(num_pages, out=a[1, 1: n + 1])
         a[2, :n] = np.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
         a[3, :n] = rows
         a[4, :n] = kv_lens
-        graph = batch.is_prefill and batch.padded_tokens
-        if graph:
-            dev, out = self.pg_meta, self.pg_indices
-            dev.copy_(host, non_blocking=True)
+        total = int(a[1, n])
+        if static is None:
+            dev = host.to(self.device, non_blocking=True)
         else:
-            dev, out = host.to(self.device, non_blocking=True), None
-        indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], int(a[1, n]), ps, out)
+            dev = static
+            dev.copy_(host, non_blocking=True)
+        if graph_prefill:  # the graph gathers them (graph_prologue)
+            indices = self.pg_indices[:total]
+        else:
+            indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], total, ps,
+                               None if static is None else self.graph_indices)
         lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(host[0], host[1], host[2, :n], indices, dev[0], (n, tuple(lens.tolist())), host[4, :n],
-                          dev[4, :n])
+        return _PageLists(host[0, : n + 1], host[1, : n + 1], host[2, :n], indices, dev[0, : n + 1],
+                          (n, tuple(lens.tolist())), host[4, :n])
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -159,14 +167,13 @@ class FlashInferBackend(AttentionBackend):
 
     def _fast_prefill_plan(self, wrapper: Any, lists: _PageLists, window_left: int) -> None:
         """A graph-mode prefill plan for lists already in the wrapper's static buffers: what wrapper.plan does after
-        its first call (the lengths run() reads, the kernel lengths' buffer, then the scheduler), without its
-        host-side torch ops, copies and checks. A replay reads the new work arrays; the graph holds the rest."""
+        its first call (the lengths run() reads, then the scheduler), without its host-side torch ops, copies and
+        checks. A replay reads the new work arrays; the graph holds the rest."""
         n = len(lists.kv_lens)
         qo, kv_lens = lists.qo_indptr.numpy(), lists.kv_lens.numpy()
         # what run() checks and passes on (a capture records them)
         wrapper._qo_indptr_last, wrapper._max_q_len = int(qo[-1]), int(np.diff(qo).max())
-        wrapper._max_kv_len = int(kv_lens.max())
-        wrapper._kv_lens_buffer[:n].copy_(lists.kv_lens_device, non_blocking=True)
+        wrapper._max_kv_len = int(kv_lens.max())  # (its kv lengths' buffer is pg_meta's row: already copied)
         args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
                 wrapper._pin_memory_int_workspace_buffer, lists.qo_indptr, lists.kv_indptr, lists.kv_lens,
                 wrapper._max_total_num_rows, n, self.num_qo_heads, self.num_kv_heads, get_global_ctx().page_size,
@@ -181,19 +188,15 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMetadata(cu_seqlens_q=lists.qo_indptr_device[: batch.size + 1], wrappers=wrappers)
 
     def _plan_graph(self, bs: int, wrappers: Dict[int, Any], lists: _PageLists) -> None:
-        """Fill the graph's static buffers with this batch's pages (every step: a row's next request has other
-        pages), then plan, unless the last plan's schedule still holds for these page counts."""
+        """Plan the graph for this batch, whose page lists _page_lists copied into the static buffers (every step: a
+        row's next request has other pages), unless the last plan's schedule still holds for these page counts."""
         from flashinfer.decode import fast_decode_plan
 
-        total = len(lists.kv_indices)
-        self.graph_indptr[: bs + 1].copy_(lists.kv_indptr, non_blocking=True)
-        self.graph_indices[:total].copy_(lists.kv_indices)
-        self.graph_last_page_len[:bs].copy_(lists.last_page_len, non_blocking=True)
         if self.graph_plan == lists.schedule:
             return
         self.graph_plan = lists.schedule
         for w, wrapper in wrappers.items():
-            fast_decode_plan(wrapper, self.graph_indptr[: bs + 1], self.graph_indices[:total],
+            fast_decode_plan(wrapper, self.graph_indptr[: bs + 1], self.graph_indices[: len(lists.kv_indices)],
                              lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,
                              **self._plan_args(w))
 
@@ -212,9 +215,17 @@ class FlashInferBackend(AttentionBackend):
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
         max_bs = max(bs_list)
         max_pages = -(-max_seq_len // get_global_ctx().page_size)
-        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        # the rows of _page_lists' host buffer, as pg_meta's: qo_indptr, kv_indptr, last_page_len, rows, kv lengths
+        self.dg_meta = torch.zeros(5, max_bs + 1, dtype=torch.int32, device=self.device)
         self.graph_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device)
-        self.graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    @property
+    def graph_indptr(self) -> torch.Tensor:
+        return self.dg_meta[1]
+
+    @property
+    def graph_last_page_len(self) -> torch.Tensor:
+        return self.dg_meta[2]
 
     def prepare_for_capture(self, batch: Batch) -> None:
         """Create the size's wrappers (sharing the static buffers) and plan them fully once: capturing records
@@ -238,6 +249,13 @@ class FlashInferBackend(AttentionBackend):
         assert batch.attn_metadata.wrappers is captured
 
     # ------------------------------------------------------------------ CUDA graphs (prefill and extend)
+    def graph_prologue(self, batch: Batch) -> None:
+        """A prefill graph gathers its page ids from the page table at the rows and page offsets in pg_meta (one
+        program an entry: the grid is the graph's fixed entry count)."""
+        if batch.is_prefill:
+            page_ids(get_global_ctx().page_table, self.pg_meta[1], self.pg_meta[3, : self.prefill_graph_reqs + 1],
+                     len(self.pg_indices), get_global_ctx().page_size, self.pg_indices)
+
     def init_prefill_graphs(self, max_reqs: int, max_tokens: int, max_seq_len: int, dummy_row: int) -> None:
         """Static buffers for max_reqs requests plus the padding entry, and one graph-mode prefill wrapper per window
         over them, serving every token bucket: a graph-mode plan fixes the entry count and, at its first call (the
@@ -258,3 +276,5 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self.pg_meta[0],
             paged_kv_indptr_buf=self.pg_meta[1], paged_kv_indices_buf=self.pg_indices,
             paged_kv_last_page_len_buf=self.pg_meta[2, :entries]) for w in self.windows}
+        for wrapper in self.prefill_graph.values():  # the kv lengths run() reads: pg_meta's row, copied with it
+            wrapper._kv_lens_buffer = self.pg_meta[4, :entries]

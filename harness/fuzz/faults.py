@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
+import torch
+
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.torch_backend import TorchBackend
 from harness.driver import Driver
@@ -26,29 +28,24 @@ from harness.driver import Driver
 
 def _page_lists_keyed_on_rows(original: Callable) -> Callable:
     def page_lists(self: FlashInferBackend, batch: Any) -> Any:
-        lists = original(self, batch)
+        if not (batch.is_decode and batch.padded_size in self.graph_wrappers):
+            return original(self, batch)
+        meta, indices = self.dg_meta, self.graph_indices
+        self.dg_meta, self.graph_indices = torch.zeros_like(meta), torch.zeros_like(indices)  # the lists land aside
+        try:
+            lists = original(self, batch)
+            new_meta, new_indices = self.dg_meta, self.graph_indices
+        finally:
+            self.dg_meta, self.graph_indices = meta, indices
         n, lens = lists.schedule
         lists.schedule = (n, tuple(r.table_idx for r in batch.padded_reqs), lens)
+        meta[2].copy_(new_meta[2])
+        if lists.schedule != self.graph_plan:  # the fault: the static page buffers change only with the plan
+            meta.copy_(new_meta)
+            indices.copy_(new_indices)
+        lists.kv_indices = indices[: len(lists.kv_indices)]
         return lists
     return page_lists
-
-
-def _plan_graph_keeping_pages(original: Callable) -> Callable:
-    def plan_graph(self: FlashInferBackend, bs: int, wrappers: Dict[int, Any], lists: Any) -> None:
-        from flashinfer.decode import fast_decode_plan
-
-        self.graph_last_page_len[:bs].copy_(lists.last_page_len, non_blocking=True)
-        if self.graph_plan == lists.schedule:
-            return  # the fault: the page ids of the last plan stay in the static buffer
-        self.graph_plan = lists.schedule
-        total = len(lists.kv_indices)
-        self.graph_indptr[: bs + 1].copy_(lists.kv_indptr, non_blocking=True)
-        self.graph_indices[:total].copy_(lists.kv_indices)
-        for w, wrapper in wrappers.items():
-            fast_decode_plan(wrapper, self.graph_indptr[: bs + 1], self.graph_indices[:total],
-                             lists.last_page_len, head_dim=self.head_dim, global_override_indptr_cpu=lists.kv_indptr,
-                             **self._plan_args(w))
-    return plan_graph
 
 
 def _torch_slots_keyed_on_rows(original: Callable) -> Callable:
@@ -97,8 +94,7 @@ FAULTS: Dict[str, Fault] = {
     "graph-plan-keyed-on-rows": Fault(
         "FlashInfer graph decode keeps its plan and static page buffers while (batch size, rows, page counts) "
         "repeat (before issue 16's fix)", "cuda",
-        [(FlashInferBackend, "_page_lists", _page_lists_keyed_on_rows),
-         (FlashInferBackend, "_plan_graph", _plan_graph_keeping_pages)]),
+        [(FlashInferBackend, "_page_lists", _page_lists_keyed_on_rows)]),
     "torch-slots-keyed-on-rows": Fault(
         "the torch backend keeps a decode's KV slots while (rows, lengths) repeat, across requests and workloads",
         "any", [(TorchBackend, "prepare_metadata", _torch_slots_keyed_on_rows)]),
