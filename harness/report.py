@@ -56,11 +56,20 @@ def _cpu_model() -> str:
     return ""
 
 
-def _git_commit() -> str:
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """HEAD's short id, and a warning when the code (engine/, harness/) differs from it: a tree copied to another
+    machine may carry a .git of another revision, and a figure must not be credited to a commit whose code it did
+    not run (source_sha256 names the code either way)."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return "unknown"
+        changed = git("status", "--porcelain", "--", "engine", "harness")
+        return f"{head} with uncommitted changes to engine/ or harness/" if changed else head
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
@@ -95,7 +104,7 @@ def provenance(device: str, **extra: Any) -> Dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "source_sha256": source_sha256(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

@@ -93,3 +93,28 @@ def test_bench_writes_under_the_chosen_root(roots: Roots, update: bool) -> None:
                                                           "prefill.png", "summary.md")]
     assert not untouched.exists()
     assert str(written / "bench/cpu/summary.md") in text
+
+
+def test_a_figure_is_not_credited_to_a_commit_whose_code_it_did_not_run(tmp_path: Path) -> None:
+    """provenance's git_commit: HEAD's id for a clean tree; with the code changed after HEAD (a tree copied with
+    another revision's .git), a warning beside it; report or README edits do not count; no repository: unknown."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert report.git_commit(tmp_path) == "unknown"
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.md").write_text("a\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    assert report.git_commit(tmp_path) == head
+    (tmp_path / "notes.md").write_text("b\n")
+    assert report.git_commit(tmp_path) == head
+    (tmp_path / "engine" / "a.py").write_text("x = 2\n")
+    assert report.git_commit(tmp_path) == f"{head} with uncommitted changes to engine/ or harness/"
