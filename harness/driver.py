@@ -129,17 +129,17 @@ class PageAllocator:
     @property
     def free_pages(self) -> List[int]:
         """The free list in the order it hands pages out (a copy, O(pool): for checks, not for the step)."""
-        return self._take(self._head, self.num_free).tolist()
+        return self._ring[self._at(self._head, self.num_free)].tolist()
 
-    def _take(self, start: int, n: int) -> np.ndarray:
-        """The ring's n entries from start (a view unless they wrap around its end)."""
+    def _at(self, start: int, n: int) -> slice | np.ndarray:
+        """The ring's n places from start, for reading or writing: a slice unless they wrap around its end."""
         if start + n <= len(self._ring):
-            return self._ring[start: start + n]
-        return self._ring[(start + np.arange(n)) % len(self._ring)]
+            return slice(start, start + n)
+        return (start + np.arange(n)) % len(self._ring)
 
     def alloc(self, n: int) -> np.ndarray:
         assert n <= self.num_free
-        pages = self._take(self._head, n).copy()
+        pages = self._ring[self._at(self._head, n)].copy()
         self._head = (self._head + n) % len(self._ring)
         self.num_free -= n
         self.held[pages] = True
@@ -157,14 +157,10 @@ class PageAllocator:
         self.num_held -= len(valid)
         self.double_frees += len(pages) - len(valid)
         if self.num_free + len(pages) > len(self._ring):  # only pages freed twice overflow the pool's size
-            self._ring = np.concatenate([self._take(self._head, self.num_free),
+            self._ring = np.concatenate([self._ring[self._at(self._head, self.num_free)],
                                          np.empty(len(pages) + len(self._ring), dtype=np.int64)])
             self._head = 0
-        end = (self._head + self.num_free) % len(self._ring)
-        if end + len(pages) <= len(self._ring):
-            self._ring[end: end + len(pages)] = pages
-        else:
-            self._ring[(end + np.arange(len(pages))) % len(self._ring)] = pages
+        self._ring[self._at((self._head + self.num_free) % len(self._ring), len(pages))] = pages
         self.num_free += len(pages)
 
     def check_no_leak(self) -> None:
