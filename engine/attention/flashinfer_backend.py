@@ -12,20 +12,22 @@ CUDA-graph decode refills its static page buffers every step and keeps only its 
 counts repeat: FlashInfer's decode plan (DecodePlan: each request's split of its pages into chunks)
 reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; the kernels read the page ids from the
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
-Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers, planned before each
-replay (init_prefill_graphs); they gather their page ids themselves (graph_prologue). A graph's page lists reach its
-static buffers in one host-to-device copy a step (_page_lists).
+Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers (init_prefill_graphs);
+they gather their page ids themselves and, with FA3 (sm90), build its work list too (graph_prologue,
+prefill_schedule.py), so the host plans nothing for them. A graph's page lists reach its static buffers in one
+host-to-device copy a step (_page_lists).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BaseAttnMetadata, layer_windows
+from engine.attention.prefill_schedule import sm90_schedule
 from engine.attention.page_ids import page_ids
 from engine.core import Batch, get_global_ctx
 from engine.models.config import ModelConfig
@@ -81,6 +83,8 @@ class FlashInferBackend(AttentionBackend):
         # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
         # those copies, so a plan never overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._sm90: Dict[int, Tuple[List[int], int] | None] = {}  # window_left -> _sm90_layout's answer
 
     # ------------------------------------------------------------------ page lists, on the device
     def _entries(self, batch: Batch) -> List[List[int]]:
@@ -168,12 +172,15 @@ class FlashInferBackend(AttentionBackend):
     def _fast_prefill_plan(self, wrapper: Any, lists: _PageLists, window_left: int) -> None:
         """A graph-mode prefill plan for lists already in the wrapper's static buffers: what wrapper.plan does after
         its first call (the lengths run() reads, then the scheduler), without its host-side torch ops, copies and
-        checks. A replay reads the new work arrays; the graph holds the rest."""
+        checks. A replay reads the new work arrays; the graph holds the rest. With FA3 the graph's prologue builds
+        them (_sm90_layout); FA2's come from FlashInfer's scheduler."""
         n = len(lists.kv_lens)
         qo, kv_lens = lists.qo_indptr.numpy(), lists.kv_lens.numpy()
         # what run() checks and passes on (a capture records them)
         wrapper._qo_indptr_last, wrapper._max_q_len = int(qo[-1]), int(np.diff(qo).max())
         wrapper._max_kv_len = int(kv_lens.max())  # (its kv lengths' buffer is pg_meta's row: already copied)
+        if self._sm90_layout(window_left) is not None:  # the graph's prologue schedules (graph_prologue)
+            return
         args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
                 wrapper._pin_memory_int_workspace_buffer, lists.qo_indptr, lists.kv_indptr, lists.kv_lens,
                 wrapper._max_total_num_rows, n, self.num_qo_heads, self.num_kv_heads, get_global_ctx().page_size,
@@ -181,6 +188,19 @@ class FlashInferBackend(AttentionBackend):
         if wrapper._backend == "fa2":
             args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas: plan's defaults
         wrapper._plan_info = wrapper._cached_module.plan(*args)
+
+    def _sm90_layout(self, window_left: int) -> Tuple[List[int], int] | None:
+        """The byte offsets of FA3's work arrays in the window's prefill graph wrapper's int workspace and how many
+        items they hold, as its first plan laid them out (a graph-mode plan sizes them for the most work its entry
+        and token counts allow, so every later plan has the same layout); None where FlashInfer's scheduler plans
+        (FA2, a release other than the one these offsets follow, or one schedule for all heads: over 4096 tiles a
+        head)."""
+        if window_left not in self._sm90:
+            wrapper = self.prefill_graph[window_left]
+            info = [int(v) for v in wrapper._plan_info] if self.plan_prefill_directly else [0] * 9
+            ok = wrapper._backend == "fa3" and self.plan_prefill_directly and not info[8]
+            self._sm90[window_left] = (info[:8], (info[1] - info[0]) // 4) if ok else None
+        return self._sm90[window_left]
 
     def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any]) -> FlashInferMetadata:
         """cu_seqlens_q covers the batch's own requests (a graph prefill's empty and padding entries follow them):
@@ -251,10 +271,17 @@ class FlashInferBackend(AttentionBackend):
     # ------------------------------------------------------------------ CUDA graphs (prefill and extend)
     def graph_prologue(self, batch: Batch) -> None:
         """A prefill graph gathers its page ids from the page table at the rows and page offsets in pg_meta (one
-        program an entry: the grid is the graph's fixed entry count)."""
+        program an entry: the grid is the graph's fixed entry count), then builds FA3's work list from pg_meta's
+        lengths into each wrapper's int workspace (one program)."""
         if batch.is_prefill:
-            page_ids(get_global_ctx().page_table, self.pg_meta[1], self.pg_meta[3, : self.prefill_graph_reqs + 1],
-                     len(self.pg_indices), get_global_ctx().page_size, self.pg_indices)
+            entries = self.prefill_graph_reqs + 1
+            page_ids(get_global_ctx().page_table, self.pg_meta[1], self.pg_meta[3, :entries], len(self.pg_indices),
+                     get_global_ctx().page_size, self.pg_indices)
+            for w, wrapper in self.prefill_graph.items():
+                layout = self._sm90_layout(w)
+                if layout is not None:
+                    sm90_schedule(self.pg_meta, entries, wrapper._int_workspace_buffer, layout[0], self.num_qo_heads,
+                                  self.num_sms, self.head_dim, layout[1])
 
     def init_prefill_graphs(self, max_reqs: int, max_tokens: int, max_seq_len: int, dummy_row: int) -> None:
         """Static buffers for max_reqs requests plus the padding entry, and one graph-mode prefill wrapper per window
