@@ -105,3 +105,17 @@ def test_against_head_runs_end_to_end(tmp_path):
     assert "## Reference: HEAD" in md and "## New: this tree" in md and (tmp_path / "against.json").is_file()
     worktrees = subprocess.run(["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True)
     assert result["ref"]["tree"] not in worktrees.stdout  # the temporary checkout is gone
+
+
+def test_a_side_finds_its_own_engine_first_and_keeps_other_packages(tmp_path):
+    """A side's PYTHONPATH: its tree, then the inherited folders (kernels installed to a folder on the GPU machine),
+    without another checkout of the project (whose engine would stand in for a module the side's tree lacks)."""
+    from harness.bench.against import side_path
+
+    other, site = tmp_path / "other", tmp_path / "site"
+    (other / "engine").mkdir(parents=True)
+    (other / "engine" / "__init__.py").write_text("")
+    site.mkdir()
+    tree = tmp_path / "tree"
+    assert side_path(tree, f"{site}:{other}::") == f"{tree}:{site}"
+    assert side_path(tree, "") == str(tree)

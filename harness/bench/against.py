@@ -93,6 +93,15 @@ def checkout(ref: str, repo: Path = REPO_ROOT) -> Iterator[Tuple[Path, Dict[str,
 
 
 # ------------------------------------------------------------------------------------------------ the sides
+def side_path(tree: Path, inherited: str | None = None) -> str:
+    """PYTHONPATH for a side: its tree first, then the inherited entries (where packages may live, e.g. kernels
+    installed to a folder) less any checkout of this project, whose engine would stand in for a module the tree
+    lacks."""
+    inherited = os.environ.get("PYTHONPATH", "") if inherited is None else inherited
+    rest = [p for p in inherited.split(os.pathsep) if p and not (Path(p) / "engine" / "__init__.py").is_file()]
+    return os.pathsep.join([str(tree), *rest])
+
+
 class Side:
     """One runner process over one tree."""
 
@@ -101,7 +110,7 @@ class Side:
         self.log = tempfile.TemporaryFile(mode="w+")  # its stderr, shown when it fails
         self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(RUNNER)], cwd=tree, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     env={**os.environ, "PYTHONPATH": str(tree), **(env or {})})
+                                     env={**os.environ, "PYTHONPATH": side_path(tree), **(env or {})})
 
     def send(self, request: Dict[str, Any]) -> None:
         self.proc.stdin.write(json.dumps(request) + "\n")
