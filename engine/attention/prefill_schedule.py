@@ -43,65 +43,65 @@ def sm90_schedule(meta: torch.Tensor, entries: int, workspace: torch.Tensor, off
     -, kv lengths, as the prefill graphs' pg_meta) into the int workspace (uint8) at FlashInfer's byte offsets
     (PrefillPlanSM90Info's first eight). capacity: the most items the entries can make (max_items)."""
     assert all(o % 4 == 0 for o in offsets), offsets
-    words = [o // 4 for o in offsets]
+    block = triton.next_power_of_2(capacity)
     sm90_schedule_kernel[(1,)](
-        meta, meta.stride(0), workspace.view(torch.int32), *words, entries, num_heads, num_ctas,
-        TILE=tile_q(head_dim_vo), BLOCK_E=triton.next_power_of_2(entries),
-        BLOCK_W=triton.next_power_of_2(capacity), BLOCK_C=triton.next_power_of_2(num_ctas + 1), num_warps=4)
+        meta, meta.stride(0), workspace.view(torch.int32), *(o // 4 for o in offsets), entries, num_heads, num_ctas,
+        TILE=tile_q(head_dim_vo), BLOCK_W=block, MAX_COST=(1 << 31) // block - 1,
+        BLOCK_C=triton.next_power_of_2(num_ctas + 1), num_warps=8)
 
 
 @triton.jit
-def _item_fields(i, T, tstart, tend, tiles, qo0, qlen, kvp, kvl, e, TILE: tl.constexpr):
+def _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE: tl.constexpr):
     """Item i = head * T + global tile g: (tile in its request, head, request, qo offset, kv offset, qo len, kv len,
-    cost). A request's tiles are tstart[r] .. tend[r] - 1; the request holding g is the count of those ending at or
-    before it (empty entries end where they start)."""
+    cost), the entries walked once (a request's tiles follow the earlier requests')."""
     g = i % T
-    head = i // T
-    req = tl.sum((tend[None, :] <= g[:, None]).to(tl.int32), axis=1)
-    sel = e[None, :] == req[:, None]
-    t = g - tl.sum(tl.where(sel, tstart[None, :], 0), axis=1)
-    q = tl.sum(tl.where(sel, qlen[None, :], 0), axis=1)
-    k = tl.sum(tl.where(sel, kvl[None, :], 0), axis=1)
-    nt = tl.sum(tl.where(sel, tiles[None, :], 0), axis=1)
+    t = tl.zeros_like(i)
+    req, qo, kv, q, k, nt = t, t, t, t, t, t
+    start = tl.load(meta_ptr) * 0
+    for e in range(num_entries):
+        qo0 = tl.load(meta_ptr + e)
+        ql = tl.load(meta_ptr + e + 1) - qo0
+        ntl = (ql + TILE - 1) // TILE
+        inside = (g >= start) & (g < start + ntl)
+        t = tl.where(inside, g - start, t)
+        req = tl.where(inside, e, req)
+        qo = tl.where(inside, qo0, qo)
+        kv = tl.where(inside, tl.load(meta_ptr + meta_stride + e), kv)
+        q = tl.where(inside, ql, q)
+        k = tl.where(inside, tl.load(meta_ptr + 4 * meta_stride + e), k)
+        nt = tl.where(inside, ntl, nt)
+        start += ntl
     # causal, right-aligned queries: a tile sees the keys up to its last row; the last tile sees them all
     seen = tl.where(t + 1 == nt, k, tl.minimum(tl.maximum(k - q + (t + 1) * TILE, 0), k))
-    return (t, head, req, tl.sum(tl.where(sel, qo0[None, :], 0), axis=1),
-            tl.sum(tl.where(sel, kvp[None, :], 0), axis=1), q, k, 2 * TILE + seen)
+    return t, i // T, req, qo, kv, q, k, 2 * TILE + seen
 
 
 @triton.jit
 def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv, off_qlen, off_kvlen, off_head,
                          off_indptr, off_batch, num_entries, num_heads, num_ctas, TILE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
-    e = tl.arange(0, BLOCK_E)
-    em = e < num_entries
-    qo0 = tl.load(meta_ptr + e, mask=em, other=0)
-    qlen = tl.load(meta_ptr + e + 1, mask=em, other=0) - qo0
-    kvp = tl.load(meta_ptr + meta_stride + e, mask=em, other=0)
-    kvl = tl.load(meta_ptr + 4 * meta_stride + e, mask=em, other=0)
-    tiles = (qlen + TILE - 1) // TILE
-    tend = tl.cumsum(tiles, axis=0)
-    tstart = tend - tiles
-    T = tl.maximum(tl.sum(tiles, axis=0), 1)
-    W = tl.sum(tiles, axis=0) * num_heads
-
+                         BLOCK_W: tl.constexpr, MAX_COST: tl.constexpr, BLOCK_C: tl.constexpr):
+    tiles = tl.load(meta_ptr) * 0
+    for e in range(num_entries):
+        tiles += (tl.load(meta_ptr + e + 1) - tl.load(meta_ptr + e) + TILE - 1) // TILE
+    T = tl.maximum(tiles, 1)
+    W = tiles * num_heads
     i = tl.arange(0, BLOCK_W)
-    _, _, _, _, _, _, _, cost = _item_fields(i, T, tstart, tend, tiles, qo0, qlen, kvp, kvl, e, TILE)
-    # largest cost first, ties by item index; the items past W sort last
-    key = tl.where(i < W, cost.to(tl.int64) * BLOCK_W + (BLOCK_W - 1 - i), -1)
-    idx = BLOCK_W - 1 - (tl.sort(key, descending=True) % BLOCK_W).to(tl.int32)  # rank j's item
-    t, head, req, qo, kv, q, k, _ = _item_fields(idx, T, tstart, tend, tiles, qo0, qlen, kvp, kvl, e, TILE)
+    idx = i  # rank j's item: in one round every item has a CTA of its own, in any order
+    if W > num_ctas:  # largest cost first, ties by item index; the items past W sort last
+        _, _, _, _, _, _, _, cost = _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE)
+        key = tl.where(i < W, tl.minimum(cost, MAX_COST) * BLOCK_W + (BLOCK_W - 1 - i), -1)
+        idx = BLOCK_W - 1 - tl.sort(key, descending=True) % BLOCK_W
+    t, head, req, qo, kv, q, k, _ = _item_fields(idx, T, meta_ptr, meta_stride, num_entries, TILE)
 
     # rank j goes to CTA c in round r; CTA c's items start at c * F plus the CTAs before it that get an item in
     # the last, partial round (F full rounds, m items in it: forward when F is even, backward when odd)
-    j = i
-    r = j // num_ctas
-    p = j % num_ctas
+    r = i // num_ctas
+    p = i % num_ctas
     c = tl.where(r % 2 == 0, p, num_ctas - 1 - p)
     F = W // num_ctas
     m = W % num_ctas
     pos = c * F + tl.where(F % 2 == 0, tl.minimum(c, m), tl.maximum(c - (num_ctas - m), 0)) + r
-    ok = j < W
+    ok = i < W
     tl.store(ws_ptr + off_tile + pos, t, mask=ok)
     tl.store(ws_ptr + off_qo + pos, qo, mask=ok)
     tl.store(ws_ptr + off_kv + pos, kv, mask=ok)
