@@ -119,3 +119,18 @@ def test_a_side_finds_its_own_engine_first_and_keeps_other_packages(tmp_path):
     tree = tmp_path / "tree"
     assert side_path(tree, f"{site}:{other}::") == f"{tree}:{site}"
     assert side_path(tree, "") == str(tree)
+
+
+def test_a_folder_inside_a_checkout_is_not_credited_with_its_commit(tmp_path):
+    """An exported revision inside this checkout names no commit (it is not HEAD's code); a checkout of its own
+    names its HEAD."""
+    from harness.bench.against import tree_provenance
+
+    inside = REPO_ROOT / "build" / "against-provenance-test"
+    inside.mkdir(parents=True, exist_ok=True)
+    try:
+        assert tree_provenance(inside, "x")["commit"] == "not a git checkout"
+    finally:
+        inside.rmdir()
+    assert tree_provenance(REPO_ROOT, "this tree")["commit"] == subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -60,7 +60,10 @@ def _git(tree: Path, *args: str) -> str:
 
 
 def tree_provenance(tree: Path, named: str) -> Dict[str, Any]:
-    commit = _git(tree, "rev-parse", "HEAD")
+    """What a side ran: the tree's commit when it is a git checkout of its own (a folder inside another checkout,
+    say an exported revision, would otherwise read the enclosing checkout's HEAD)."""
+    top = _git(tree, "rev-parse", "--show-toplevel")
+    commit = _git(tree, "rev-parse", "HEAD") if top and Path(top).resolve() == tree.resolve() else ""
     return {"named": named, "tree": str(tree), "commit": commit or "not a git checkout",
             "subject": _git(tree, "log", "-1", "--format=%s") if commit else "",
             "uncommitted_changes": bool(_git(tree, "status", "--porcelain")) if commit else "unknown"}
