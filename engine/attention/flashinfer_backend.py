@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BaseAttnMetadata, layer_windows
-from engine.attention.prefill_schedule import sm90_schedule
 from engine.attention.page_ids import page_ids
+from engine.attention.prefill_schedule import sm90_schedule
 from engine.core import Batch, get_global_ctx
 from engine.models.config import ModelConfig
 from engine.utils.device import pin
