@@ -2,7 +2,9 @@
 steps through the driver, function by function.
 
 For each prefill length and decode batch size: the driver's own timers by part (harness/bench/profile.py's
-host_parts: build, plan, sample_prep, launch, process, wait, medians), cProfile over a run of them (the Python
+host_parts: build, plan, sample_prep, launch, process, wait, medians), the host functions a step calls (TIMED), each
+timed by a wrapper around it (median us a call and calls a step; nested: a caller's time includes its callees'; a
+wrapper costs well under a microsecond, so these compare with the parts), cProfile over a run of them (the Python
 functions, by own and by cumulative time: cProfile's own overhead inflates both, so compare within a table, not with
 the timers), torch.profiler's table of aten ops and CUDA runtime calls for the smallest prefill and batch (CUPTI's
 tracing slows cudaGraphLaunch several times over: read its row from cProfile's torch/cuda/graphs.py replay instead),
@@ -15,12 +17,18 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import importlib
 import io
 import json
 import pstats
+import statistics
 import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
@@ -33,6 +41,52 @@ from harness.bench.workloads import engine_decode, engine_prefill, random_ids
 from harness.driver import Driver
 
 SIZES = {"cuda": ([128, 512, 4096], [1, 256], 512), "cpu": ([32, 128], [1, 8], 64)}  # prefill lengths, bs, context
+# the host functions of a step: (module, class, methods)
+TIMED = (("harness.driver", "Driver", ("_schedule", "_admit", "_make_step", "_prefill_inputs", "_decode_inputs",
+                                       "_launch", "_feed_back", "_process", "_release")),
+         ("harness.driver", "PageAllocator", ("alloc", "free")),
+         ("engine.attention.flashinfer_backend", "FlashInferBackend",
+          ("prepare_metadata", "_page_lists", "_fast_prefill_plan", "_plan_graph")),
+         ("engine.attention.torch_backend", "TorchBackend", ("prepare_metadata",)),
+         ("engine.graph", "GraphRunner", ("replay", "_load")),
+         ("engine.engine", "Engine", ("forward_batch", "_check_prefill")),
+         ("engine.sample", "Sampler", ("prepare", "sample")))
+
+
+@contextmanager
+def timed_functions() -> Iterator[Dict[str, List[float]]]:
+    """Every TIMED method wrapped in a timer while the block runs: label -> the seconds of each call."""
+    calls: Dict[str, List[float]] = defaultdict(list)
+    saved = []
+
+    def timed(label: str, f: Callable) -> Callable:
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                calls[label].append(time.perf_counter() - t)
+        return run
+
+    try:
+        for module, name, methods in TIMED:
+            owner = getattr(importlib.import_module(module), name)
+            for m in methods:
+                saved.append((owner, m, owner.__dict__[m]))
+                setattr(owner, m, timed(f"{name}.{m}", owner.__dict__[m]))
+        yield calls
+    finally:
+        for owner, m, f in saved:
+            setattr(owner, m, f)
+
+
+def function_table(calls: Dict[str, List[float]], steps: int) -> Dict[str, Dict[str, float]]:
+    """label -> median us a call and calls a step (over the run's steps: a decode run's prefill among them), the
+    largest median first."""
+    rows = {label: {"median_us": statistics.median(t) * 1e6, "calls_per_step": len(t) / steps}
+            for label, t in calls.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["median_us"]))
 
 
 def _stats(prof: cProfile.Profile, key: str, rows: int = 40) -> str:
@@ -72,9 +126,14 @@ def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[
     summary: Dict[str, Any] = {"model": model, "device": device}
 
     def step(name: str, records: list, run: Callable[[int], None], first: bool, replay: Callable[[], Any]) -> None:
-        """The timers of records, cProfile over run(2 x repeats), torch.profiler over run(5) for the first size,
-        then the graph this step replays (as the last run left it)."""
+        """The timers of records, the functions' timers over run(2 x repeats) (the steps it took counted), cProfile
+        over run(2 x repeats), torch.profiler over run(5) for the first size, then the graph this step replays (as
+        the last run left it)."""
         summary[name] = {"host": host_parts(records)}
+        before = len(driver.steps)
+        with timed_functions() as calls:
+            run(2 * repeats)
+        summary[name]["functions"] = function_table(calls, max(1, len(driver.steps) - before))
         _cprofile(lambda: run(2 * repeats), out / f"cprofile_{name}.txt")
         if first:
             _torch_profile(lambda: run(5), out / f"torch_{name}.txt", cuda)
@@ -113,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             host = " ".join(f"{k} {v * 1e3:.3f}" for k, v in part["host"].items())
             gpu = f"; graph replay {part['replay_s'] * 1e3:.3f} ms" if "replay_s" in part else ""
             print(f"{name}: host ms: {host}{gpu}")
+            rows = part["functions"].items()
+            print("  us a call (calls a step): " + ", ".join(f"{label} {r['median_us']:.0f} ({r['calls_per_step']:.2g})"
+                                                         for label, r in rows))
     print(f"wrote {args.out}/summary.json, cprofile_*.txt, torch_*.txt")
     return 0
 
