@@ -5,12 +5,12 @@ Decode: a batch of n requests replays the graph of the smallest captured size >=
 dummy request, whose page-table row points at the dummy page, so its KV writes never touch a real request.
 
 Prefill and extend: a batch of at most prefill_max_reqs requests and n <= the largest bucket tokens replays the graph
-of the smallest bucket T >= n. Its attention is FlashInfer's graph-mode paged prefill, planned outside the graph
-before each replay into the graph's static buffers (the graph itself starts with the backend's graph_prologue: the
-page ids), with a fixed number of entries: the requests, empty entries, and last a padding entry that owns the T - n
-padding tokens, whose page list is the dummy page (their KV writes land there). The graph ends at the final norm's
-hidden states [T, H]; the LM head runs after the replay on the rows the batch asks for, with the shapes of the eager
-path.
+of the smallest bucket T >= n. Its attention is FlashInfer's graph-mode paged prefill over the graph's static
+buffers, which the host fills before each replay (the graph itself starts with the backend's graph_prologue: the page
+ids and, with FA3, the work list), with a fixed number of entries: the requests, empty entries, and last a padding
+entry that owns the T - n padding tokens, whose page list is the dummy page (their KV writes land there). The graph
+ends at the final norm's hidden states [T, H]; the LM head runs after the replay on the rows the batch asks for, with
+the shapes of the eager path.
 
 Other batches, and every batch on a CPU, run eagerly.
 """

@@ -37,6 +37,21 @@ def items_of(work: dict, n: int) -> List[Item]:
     return sorted(tuple(int(c[j]) for c in cols) for j in range(n))
 
 
+def max_items(max_tokens: int, entries: int, num_heads: int, head_dim: int) -> int:
+    """The most items `entries` entries of at most max_tokens tokens in all can make (FlashInfer's bound, which sizes
+    a graph-mode plan's work arrays)."""
+    return (-(-max_tokens // prefill_schedule.tile_q(head_dim)) + entries - 1) * num_heads
+
+
+def read_work(ws: np.ndarray, offsets: List[int], ctas: int) -> Tuple[dict, np.ndarray]:
+    """The work arrays in an int workspace's bytes at plan_info's eight offsets (work_indptr's the seventh): the
+    fields, as far as work_indptr's last entry counts, and work_indptr."""
+    indptr = ws[offsets[6]: offsets[6] + 4 * (ctas + 1)].view(np.int32)
+    n = int(indptr[-1])
+    return {name: ws[o: o + 4 * n].view(np.int32)
+            for name, o in zip(prefill_schedule.FIELDS, offsets[:6] + offsets[7:8])}, indptr
+
+
 def run_kernel(q_lens: List[int], cached: List[int], heads: int, ctas: int, head_dim: int, page: int = 1):
     """The kernel (Triton's interpreter on a CPU) over pg_meta-shaped lists of these entries, into a workspace laid
     out as FlashInfer's graph-mode plan lays it out: (items, work_indptr, the lists)."""
@@ -45,15 +60,12 @@ def run_kernel(q_lens: List[int], cached: List[int], heads: int, ctas: int, head
     kv = np.array([q + c if q else 0 for q, c in zip(q_lens, cached)], dtype=np.int64)
     meta = np.zeros((5, n + 1), dtype=np.int32)
     meta[0, 1:], meta[1, 1:], meta[4, :n] = np.cumsum(q_lens), np.cumsum(-(-kv // page)), kv
-    capacity = prefill_schedule.max_items(sum(q_lens), n, heads, head_dim)
+    capacity = max_items(sum(q_lens), n, heads, head_dim)
     stride = -(-capacity * 4 // 16) * 16
     offsets = [k * stride for k in range(7)] + [6 * stride + -(-4 * (ctas + 1) // 16) * 16]
     ws = torch.full((offsets[7] + stride,), 255, dtype=torch.uint8, device=device)
     prefill_schedule.sm90_schedule(torch.from_numpy(meta).to(device), n, ws, offsets, heads, ctas, head_dim, capacity)
-    a = ws.cpu().numpy()
-    indptr = a[offsets[6]: offsets[6] + 4 * (ctas + 1)].view(np.int32)
-    w = int(indptr[-1])
-    work = {name: a[o: o + 4 * w].view(np.int32) for name, o in zip(prefill_schedule.FIELDS, offsets[:6] + offsets[7:])}
+    work, indptr = read_work(ws.cpu().numpy(), offsets, ctas)
     return work, indptr, meta
 
 
@@ -101,11 +113,8 @@ def test_a_long_prompt_is_better_balanced_than_flashinfers_order():
 def device_items(wrapper, info: List[int], num_sms: int) -> List[Item]:
     """The items of the work arrays in a prefill graph wrapper's device int workspace, at its plan's offsets."""
     torch.cuda.synchronize()
-    ws = wrapper._int_workspace_buffer.cpu().numpy()
-    n = int(ws[info[6]: info[6] + 4 * (num_sms + 1)].view(np.int32)[-1])
-    offsets = info[:6] + info[7:8]  # plan_info: the fields' offsets with work_indptr's (info[6]) among them
-    work = {name: ws[a: a + 4 * n].view(np.int32) for name, a in zip(prefill_schedule.FIELDS, offsets)}
-    return items_of(work, n)
+    work, indptr = read_work(wrapper._int_workspace_buffer.cpu().numpy(), info, num_sms)
+    return items_of(work, int(indptr[-1]))
 
 
 @pytest.mark.cuda
@@ -127,7 +136,7 @@ def test_graph_plan_work_arrays_on_the_device_are_flashinfers():
         backend = eng.attn_backend
         window, wrapper = next(iter(backend.prefill_graph.items()))
         if not backend.plan_prefill_directly or wrapper._backend != "fa3":
-            pytest.skip("the numpy work list serves FA3 graph plans of the FlashInfer release it follows")
+            pytest.skip("the device-built work list serves FA3 graph plans of the FlashInfer release it follows")
         lengths = [300, 7, 120]  # one graph batch of three prompts (bucket 512)
         prompts = [[(13 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
         Driver(eng).generate(prompts, SamplingParams(max_tokens=1))

@@ -32,16 +32,11 @@ def tile_q(head_dim_vo: int) -> int:
     return 192 if head_dim_vo == 64 else 128
 
 
-def max_items(max_tokens: int, entries: int, num_heads: int, head_dim_vo: int) -> int:
-    """The most items `entries` entries of at most max_tokens tokens in all can make (FlashInfer's bound)."""
-    return (-(-max_tokens // tile_q(head_dim_vo)) + entries - 1) * num_heads
-
-
 def sm90_schedule(meta: torch.Tensor, entries: int, workspace: torch.Tensor, offsets: Sequence[int], num_heads: int,
                   num_ctas: int, head_dim_vo: int, capacity: int) -> None:
     """Write the work arrays of the entries in meta (int32 [5, >= entries + 1]: qo_indptr, kv_indptr in pages, -,
     -, kv lengths, as the prefill graphs' pg_meta) into the int workspace (uint8) at FlashInfer's byte offsets
-    (PrefillPlanSM90Info's first eight). capacity: the most items the entries can make (max_items)."""
+    (PrefillPlanSM90Info's first eight). capacity: the most items the arrays hold (the plan sized them)."""
     assert all(o % 4 == 0 for o in offsets), offsets
     block = triton.next_power_of_2(capacity)
     sm90_schedule_kernel[(1,)](
