@@ -34,12 +34,13 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     x_ok, w_ok = row_ok, col_ok
     if not EVEN_K:
         x_ok, w_ok = row_ok & (rk[None, :] < K), col_ok & (rk[None, :] < K)
-    # W is constant: the first K step of it is loaded before waiting on the kernel that writes x (under PDL,
-    # while that kernel finishes); then the next kernel may launch
+    # Under PDL the next kernel may launch at once (it waits for this one to finish before it reads what this one
+    # writes), and W, which is constant, has its first K step loaded before waiting on the kernel that writes x
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(w_ptrs, mask=w_ok, other=0.0, eviction_policy="evict_first")
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     x = x_tile(x_ptrs, x_ok, K, ACT)
     acc = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
