@@ -88,9 +88,18 @@ def engine_ttft(driver: Driver, length: int, vocab: int, repeats: int) -> List[f
     return out
 
 
+def decode_prompt_len(ctx: int, steps: int) -> int:
+    """The prompt length that centres a run of steps decode steps on context ctx: the engine's measured steps attend
+    over prompt + 2 ... prompt + steps + 1 tokens (its first decode left out), HF's over prompt + 1 ... prompt +
+    steps: the engine's average is within half a token of ctx, HF's within one (prompts of ctx averaged ctx +
+    (steps + 3) / 2: 529.5 at 512 with 32 steps)."""
+    return max(1, ctx - (steps + 3) // 2)
+
+
 def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:
-    """The decode steps of bs requests at context ctx, all running (the first decode after a prefill left out)."""
-    prompts = [random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)]
+    """The decode steps of bs requests at context ctx on average, all running (the first decode after a prefill left
+    out)."""
+    prompts = [random_ids(decode_prompt_len(ctx, steps), vocab, seed=1000 + i) for i in range(bs)]
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
     driver.steps.clear()
@@ -159,7 +168,8 @@ def hf_decode(model: Any, bs: int, ctx: int, steps: int, vocab: int, device: tor
     """Per-step seconds of HF generate, one sample per decode step: the interval between consecutive calls of a
     logits processor that synchronizes (generate itself synchronizes every step to check for finished sequences).
     Returns (samples, warm-up seconds: the first generate, which compiles on the static path)."""
-    ids = torch.tensor([random_ids(ctx, vocab, seed=1000 + i) for i in range(bs)], device=device)
+    ids = torch.tensor([random_ids(decode_prompt_len(ctx, steps), vocab, seed=1000 + i) for i in range(bs)],
+                       device=device)
     warmup = _hf_generate(model, ids, steps + 1, static=static)
     _hf_generate(model, ids, steps + 1, static=static)  # reduce-overhead mode records its CUDA graphs on a later call
     samples: List[float] = []

@@ -1,0 +1,28 @@
+"""The bench's decode workload measures what its rows say: the steps it returns attend over the stated context on
+average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.distributed import DistributedInfo
+from harness import zoo
+from harness.bench.workloads import engine_decode
+from harness.driver import Driver
+
+
+@pytest.mark.parametrize("bs,ctx,steps", [(1, 64, 8), (3, 100, 9), (2, 33, 32)])
+def test_decode_steps_average_the_stated_context(bs, ctx, steps):
+    zoo.prepare("tiny-qwen3")
+    eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
+                              dtype=torch.float32, device="cpu", num_page_override=1024, max_seq_len_override=256,
+                              max_running_req=4))
+    try:
+        records = engine_decode(Driver(eng), bs, ctx, steps, eng.config.model_config.vocab_size)
+    finally:
+        eng.shutdown()
+    assert len(records) == steps and all(r.phase == "decode" and r.batch_size == bs for r in records)
+    mean = sum(r.kv_tokens for r in records) / (bs * steps)
+    assert abs(mean - ctx) <= 0.5, mean
