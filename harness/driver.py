@@ -353,16 +353,21 @@ class Driver:
         host = torch.empty(5 * n, dtype=torch.int32, pin_memory=pin(self.engine.device))
         a = host.numpy()
         flat, feed, pos = a[: 2 * n].view(np.int64), a[2 * n: 4 * n].view(np.int64), a[4 * n:]
-        last = np.fromiter((r.device_len - 1 for r in batch.reqs), np.int64, n)
-        flat[:] = np.fromiter((r.table_idx for r in batch.reqs), np.int64, n) * self.token_pool.shape[1] + last
+        flat[:] = self._last_flat(batch.reqs)
         feed[:] = flat + 1
-        pos[:] = last
+        pos[:] = flat % self.token_pool.shape[1]
         dev = host.to(self.engine.device, non_blocking=True)
         flat_dev = dev[: 2 * n].view(torch.int64)
         batch.input_ids = self.token_pool.view(-1).index_select(0, flat_dev)
         batch.out_loc = self.engine.page_table.view(-1).index_select(0, flat_dev)  # int32 (converted when used)
         batch.positions = dev[4 * n:]
         return dev[2 * n: 4 * n].view(torch.int64)
+
+    def _last_flat(self, reqs: List[Req]) -> np.ndarray:
+        """Each request's last position as a flat index into the token pool (and the page table): row * width +
+        position."""
+        width = self.token_pool.shape[1]
+        return np.fromiter((r.table_idx * width + r.device_len - 1 for r in reqs), np.int64, len(reqs))
 
     def _prefill_inputs(self, batch: Batch) -> None:
         """Ids and positions (int32) and KV slots (int64) of the batch's new tokens, in one pinned buffer and one
@@ -410,8 +415,8 @@ class Driver:
         members = step.members
         feed = step.feed
         if feed is None:
-            feed = make_device_tensor([r.req.table_idx * self.token_pool.shape[1] + r.req.device_len - 1
-                                       for r in members], torch.int64, self.engine.device)
+            feed = pinned(self._last_flat([r.req for r in members]), torch.int64,
+                          self.engine.device).to(self.engine.device, non_blocking=True)
         pool = self.token_pool.view(-1)
         pool.index_copy_(0, feed, step.out.next_tokens_gpu[: len(members)])
         forced = [(i, r.forced[r.launched]) for i, r in enumerate(members) if r.forced is not None]

@@ -49,7 +49,8 @@ class _PageLists:
     last_page_len: torch.Tensor  # [bs] int32, pinned host
     kv_indices: torch.Tensor  # [total pages] int32, device: page ids
     qo_indptr_device: torch.Tensor  # [bs + 1] int32, device
-    schedule: tuple  # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores)
+    # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores); () for a prefill
+    schedule: tuple
     kv_lens: torch.Tensor  # [bs] int32, pinned host
 
 
@@ -130,9 +131,9 @@ class FlashInferBackend(AttentionBackend):
         else:
             indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], total, ps,
                                None if static is None else self.graph_indices)
-        lens = num_pages if not self.use_tensor_cores else kv_lens
-        return _PageLists(host[0, : n + 1], host[1, : n + 1], host[2, :n], indices, dev[0, : n + 1],
-                          (n, tuple(lens.tolist())), host[4, :n])
+        schedule = (n, tuple((kv_lens if self.use_tensor_cores else num_pages).tolist())) if batch.is_decode else ()
+        return _PageLists(host[0, : n + 1], host[1, : n + 1], host[2, :n], indices, dev[0, : n + 1], schedule,
+                          host[4, :n])
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -196,10 +197,11 @@ class FlashInferBackend(AttentionBackend):
         (FA2, a release other than the one these offsets follow, or one schedule for all heads: over 4096 tiles a
         head)."""
         if window_left not in self._sm90:
-            wrapper = self.prefill_graph[window_left]
-            info = [int(v) for v in wrapper._plan_info] if self.plan_prefill_directly else [0] * 9
-            ok = wrapper._backend == "fa3" and self.plan_prefill_directly and not info[8]
-            self._sm90[window_left] = (info[:8], (info[1] - info[0]) // 4) if ok else None
+            wrapper, layout = self.prefill_graph[window_left], None
+            if wrapper._backend == "fa3" and self.plan_prefill_directly:
+                info = [int(v) for v in wrapper._plan_info]
+                layout = None if info[8] else (info[:8], (info[1] - info[0]) // 4)
+            self._sm90[window_left] = layout
         return self._sm90[window_left]
 
     def _metadata(self, batch: Batch, lists: _PageLists, wrappers: Dict[int, Any]) -> FlashInferMetadata:

@@ -72,6 +72,13 @@ def _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE: tl.constexpr):
 
 
 @triton.jit
+def _cta_start(c, F, m, num_ctas):
+    """Where CTA c's items start: F full rounds each, plus the CTAs before it that get one of the last, partial
+    round's m items (dealt forward when F is even, backward when odd)."""
+    return c * F + tl.where(F % 2 == 0, tl.minimum(c, m), tl.maximum(c - (num_ctas - m), 0))
+
+
+@triton.jit
 def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv, off_qlen, off_kvlen, off_head,
                          off_indptr, off_batch, num_entries, num_heads, num_ctas, TILE: tl.constexpr,
                          BLOCK_W: tl.constexpr, MAX_COST: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -88,14 +95,13 @@ def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv
         idx = BLOCK_W - 1 - tl.sort(key, descending=True) % BLOCK_W
     t, head, req, qo, kv, q, k, _ = _item_fields(idx, T, meta_ptr, meta_stride, num_entries, TILE)
 
-    # rank j goes to CTA c in round r; CTA c's items start at c * F plus the CTAs before it that get an item in
-    # the last, partial round (F full rounds, m items in it: forward when F is even, backward when odd)
+    # rank j goes to CTA c in round r (F full rounds, m items in the last)
     r = i // num_ctas
     p = i % num_ctas
     c = tl.where(r % 2 == 0, p, num_ctas - 1 - p)
     F = W // num_ctas
     m = W % num_ctas
-    pos = c * F + tl.where(F % 2 == 0, tl.minimum(c, m), tl.maximum(c - (num_ctas - m), 0)) + r
+    pos = _cta_start(c, F, m, num_ctas) + r
     ok = i < W
     tl.store(ws_ptr + off_tile + pos, t, mask=ok)
     tl.store(ws_ptr + off_qo + pos, qo, mask=ok)
@@ -105,5 +111,4 @@ def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv
     tl.store(ws_ptr + off_head + pos, head, mask=ok)
     tl.store(ws_ptr + off_batch + pos, req, mask=ok)
     cc = tl.arange(0, BLOCK_C)
-    starts = cc * F + tl.where(F % 2 == 0, tl.minimum(cc, m), tl.maximum(cc - (num_ctas - m), 0))
-    tl.store(ws_ptr + off_indptr + cc, starts, mask=cc <= num_ctas)
+    tl.store(ws_ptr + off_indptr + cc, _cta_start(cc, F, m, num_ctas), mask=cc <= num_ctas)
