@@ -15,8 +15,9 @@ starts under the previous kernel's tail (qwen3-0.6b on the H200: its decode grap
 -> 1087, bs 4 1172 -> 1141, bit for bit the same logits), and lets the next kernel launch as it starts, not once its
 own wait is over, so that in a chain (norm, gate_up, down) the third's weights stream while the first finishes
 (decode graph at bs 1 / 2 / 4 / 8: 1043 / 1117 / 1223 / 1447 us -> 1009 / 1101 / 1212 / 1448; o_proj alone 2.50 ->
-2.03 us, down 4.21 -> 3.91). Every kernel the engine launches so reads only constants before its own wait, so a
-kernel started early never sees what the ones before it have yet to write.
+2.03 us, down 4.21 -> 3.91). Every kernel the engine launches under PDL reads only constants before its own wait
+and writes only after it, so a kernel started early neither reads what the ones before it have yet to write nor
+overwrites what they still read.
 
 Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device (`python -m
 harness.bench.tune_gemm`: skinny_gemm_tuned.json, keyed by device name and "M,N,K" with M rounded up to a power of
