@@ -54,6 +54,21 @@ class _PageLists:
     kv_lens: torch.Tensor  # [bs] int32, pinned host
 
 
+@dataclass
+class _HostViews:
+    """A pinned host buffer of _page_lists' five rows and the views a step's lists are made of (host rows cut to n
+    entries; a static buffer's device rows, None for an eager batch's own copy)."""
+    host: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+    static: torch.Tensor | None
+    qo_indptr_device: torch.Tensor | None
+    kv_indptr_device: torch.Tensor | None
+    rows_device: torch.Tensor | None
+
+
 class FlashInferBackend(AttentionBackend):
     def __init__(self, config: ModelConfig, num_qo_heads: int, num_kv_heads: int, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -81,11 +96,13 @@ class FlashInferBackend(AttentionBackend):
         # _fast_prefill_plan calls the scheduler with the argument list of this FlashInfer release; other releases
         # plan through wrapper.plan every time
         self.plan_prefill_directly = flashinfer.__version__ == FAST_PLAN_FLASHINFER
-        # plan() fills pinned host buffers and copies them to the device asynchronously; the next plan waits for
-        # those copies, so a plan never overwrites a buffer a copy in flight still reads.
+        # plan() fills pinned host buffers (FlashInfer's, and the graphs' page lists in _static_views) and copies
+        # them to the device asynchronously; the next step waits for those copies before it writes the lists, so
+        # neither overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._sm90: Dict[int, Tuple[List[int], int] | None] = {}  # window_left -> _sm90_layout's answer
+        self._host_views: Dict[Tuple[Tuple[int, ...], int], _HostViews] = {}  # (static shape, entries) -> views
 
     # ------------------------------------------------------------------ page lists, on the device
     def _entries(self, batch: Batch) -> List[List[int]]:
@@ -111,10 +128,14 @@ class FlashInferBackend(AttentionBackend):
                   self.dg_meta if batch.is_decode and batch.padded_size in self.graph_wrappers else None)
         # qo_indptr, kv_indptr, last_page_len (n entries), rows (n), kv lengths (n): the host's math in numpy (a torch
         # op on host tensors costs several us of dispatch), one pinned buffer, one copy to the device (a graph's: the
-        # whole static buffer its wrappers read, one contiguous block)
-        host = torch.zeros(5, n + 1 if static is None else static.shape[1], dtype=torch.int32,
-                           pin_memory=pin(self.device))
-        a = host.numpy()
+        # whole static buffer its wrappers read, one contiguous block, from a pinned buffer kept for it)
+        if static is None:
+            host = torch.zeros(5, n + 1, dtype=torch.int32, pin_memory=pin(self.device))
+            views = _HostViews(host, host[0], host[1], host[2, :n], host[4, :n], None, None, None, None)
+        else:
+            views = self._static_views(static, n)
+            host = views.host
+        a = host.numpy()  # (a static buffer's columns past n keep an earlier step's entries: nothing reads them)
         np.cumsum(ext, out=a[0, 1: n + 1])
         np.cumsum(num_pages, out=a[1, 1: n + 1])
         a[2, :n] = np.where(kv_lens > 0, (kv_lens - 1) % ps + 1, 0)  # 0: a graph prefill's empty entry
@@ -123,17 +144,32 @@ class FlashInferBackend(AttentionBackend):
         total = int(a[1, n])
         if static is None:
             dev = host.to(self.device, non_blocking=True)
+            qo_dev, kv_indptr_dev, rows_dev = dev[0], dev[1], dev[3, :n]
         else:
-            dev = static
-            dev.copy_(host, non_blocking=True)
+            static.copy_(host, non_blocking=True)
+            qo_dev, kv_indptr_dev, rows_dev = views.qo_indptr_device, views.kv_indptr_device, views.rows_device
         if graph_prefill:  # the graph gathers them (graph_prologue)
             indices = self.pg_indices[:total]
         else:
-            indices = page_ids(get_global_ctx().page_table, dev[1], dev[3, :n], total, ps,
+            indices = page_ids(get_global_ctx().page_table, kv_indptr_dev, rows_dev, total, ps,
                                None if static is None else self.graph_indices)
         schedule = (n, tuple((kv_lens if self.use_tensor_cores else num_pages).tolist())) if batch.is_decode else ()
-        return _PageLists(host[0, : n + 1], host[1, : n + 1], host[2, :n], indices, dev[0, : n + 1], schedule,
-                          host[4, :n])
+        return _PageLists(views.qo_indptr, views.kv_indptr, views.last_page_len, indices, qo_dev, schedule,
+                          views.kv_lens)
+
+    def _static_views(self, static: torch.Tensor, n: int) -> _HostViews:
+        """The pinned host buffer of a static buffer's shape (one per shape, reused every step: a pinned allocation
+        costs more host time than the lists' math; prepare_metadata waits for the last copy out of it before the
+        next step writes it) and its views for n entries, made once per (shape, n) and static buffer."""
+        key = (tuple(static.shape), n)
+        views = self._host_views.get(key)
+        if views is None or views.static is not static:
+            host = views.host if views is not None else torch.zeros(
+                static.shape, dtype=torch.int32, pin_memory=pin(self.device))
+            views = _HostViews(host, host[0, : n + 1], host[1, : n + 1], host[2, :n], host[4, :n],
+                               static, static[0, : n + 1], static[1], static[3, :n])
+            self._host_views[key] = views
+        return views
 
     def _plan_args(self, window_left: int) -> dict:
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
@@ -141,8 +177,8 @@ class FlashInferBackend(AttentionBackend):
                     q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def prepare_metadata(self, batch: Batch) -> None:
-        lists = self._page_lists(batch)
         self.planned.synchronize()
+        lists = self._page_lists(batch)
         graph = self.graph_wrappers.get(batch.padded_size) if batch.is_decode else None
         if batch.is_prefill and batch.padded_tokens and self.prefill_graph_planned and self.plan_prefill_directly:
             wrappers = self.prefill_graph
@@ -258,8 +294,8 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers[bs] = {w: flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
             self.workspace, self.graph_indptr[: bs + 1], self.graph_indices, self.graph_last_page_len[:bs],
             kv_layout="NHD", use_tensor_cores=self.use_tensor_cores) for w in self.windows}
-        lists = self._page_lists(batch)
         self.planned.synchronize()
+        lists = self._page_lists(batch)
         self._plan_decode(self.graph_wrappers[bs], lists)
         self.planned.record()
         self.graph_plan = None

@@ -15,9 +15,10 @@ from harness.driver import StepRecord
 HOST_PARTS = ("build", "plan", "sample_prep", "launch", "process")  # the host's own work in a step
 # kernel name fragments -> what the kernel does (first match wins)
 CATEGORIES = (("q/k norm + rope + kv write", ("qk_rope_store",)),
-              ("attention", ("BatchDecode", "BatchPrefill", "MergeState", "Attention")),
+              ("attention", ("BatchDecode", "BatchPrefill", "PrefillWithKVCache", "MergeState", "Attention")),
               ("kv write", ("AppendPagedKV", "index_copy")), ("norm", ("RMSNorm",)), ("rope", ("Rotary",)),
-              ("activation", ("act_and_mul",)), ("gemm", ("nvjet", "gemm", "Gemm", "splitK", "cutlass", "sm90_xmma")))
+              ("activation", ("act_and_mul",)), ("moe routing", ("gatherTopK", "SortKVInPlace")),
+              ("gemm", ("nvjet", "gemm", "Gemm", "splitK", "cutlass", "sm90_xmma")))
 COPY_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
 SPIN_CYCLES = 2_000_000  # about 1 ms of GPU clock: longer than the host takes to submit a graph
 
