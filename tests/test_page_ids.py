@@ -72,16 +72,21 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     """FlashInferBackend._page_lists (host math in numpy, page ids on the device) against each entry's definition:
     qo_indptr from the extend lengths, kv_indptr from the page counts, the last page's fill (0 for a graph prefill's
     empty entry), the page ids, the plan's schedule key; the padding entries of a graph prefill last, on the dummy
-    row, owning the padding tokens. A graph's lists are in the static buffers its wrappers read; a graph prefill's
-    page ids are gathered by its graph_prologue."""
+    row, owning the padding tokens. A graph's lists are in the static buffers its wrappers read, whole after another
+    step's lists went through the same pinned host buffer; a graph prefill's page ids are gathered by its
+    graph_prologue."""
     from engine.attention.flashinfer_backend import FlashInferBackend
     from engine.core import Batch, Context, Req, set_global_ctx
 
     page_size, phase, rows, spans, graph, pad, empty, tensor_cores = case
     dummy_row, width = 8, 112
     table = np.random.default_rng(seed).integers(0, 1 << 16, size=(9, width)).astype(np.int32)
-    reqs = [Req(torch.zeros(c + e, dtype=torch.int32), row, c, 1, i, None, None)  # type: ignore[arg-type]
-            for i, (row, (c, e)) in enumerate(zip(rows, spans))]
+
+    def req(cached: int, extend: int, row: int, uid: int) -> Req:
+        ids = torch.zeros(cached + extend, dtype=torch.int32)
+        return Req(ids, row, cached, 1, uid, None, None)  # type: ignore[arg-type]
+
+    reqs = [req(c, e, row, i) for i, (row, (c, e)) in enumerate(zip(rows, spans))]
     batch = Batch(reqs=reqs, phase=phase)
     batch.padded_reqs = list(reqs)
     graph_prefill, graph_decode = graph and phase == "prefill", graph and phase == "decode"
@@ -103,10 +108,9 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     set_global_ctx(ctx)
     # a step before this one, on the same backend, left other lists in the graphs' pinned host buffers (decode: more
     # entries): this step's lists must not keep any of them
-    before = [Req(torch.zeros(max(0, c - 7) + e, dtype=torch.int32), row, max(0, c - 7), 1, i, None, None)  # type: ignore[arg-type]
-              for i, (row, (c, e)) in enumerate(zip(rows, spans))]
+    before = [req(max(0, c - 7), e, row, i) for i, (row, (c, e)) in enumerate(zip(rows, spans))]
     if phase == "decode":
-        before += [Req(torch.zeros(5, dtype=torch.int32), dummy_row, 4, 1, 99, None, None)] * empty  # type: ignore[arg-type]
+        before += [req(4, 1, dummy_row, 99)] * empty
     previous = Batch(reqs=before, phase=phase)
     previous.padded_reqs = list(before)
     previous.padded_tokens = batch.padded_tokens
