@@ -1,5 +1,6 @@
-"""The bench's decode workload measures what its rows say: the steps it returns attend over the stated context on
-average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size."""
+"""The bench's decode workloads measure what their rows say: the steps they time attend over the stated context on
+average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size, in the
+bench and in the A/B runner (`--against`) alike."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
+from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import zoo
+from harness.bench import ab_runner
 from harness.bench.workloads import engine_decode
 from harness.driver import Driver
 
@@ -25,4 +28,21 @@ def test_decode_steps_average_the_stated_context(bs, ctx, steps):
         eng.shutdown()
     assert len(records) == steps and all(r.phase == "decode" and r.batch_size == bs for r in records)
     mean = sum(r.kv_tokens for r in records) / (bs * steps)
+    assert abs(mean - ctx) <= 0.5, mean
+
+
+@pytest.mark.parametrize("bs,ctx,steps", [(1, 64, 8), (2, 33, 32)])
+def test_the_ab_runners_decode_steps_average_the_stated_context(bs, ctx, steps):
+    zoo.prepare("tiny-qwen3")
+    eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
+                              dtype=torch.float32, device="cpu", num_page_override=1024, max_seq_len_override=256,
+                              max_running_req=4))
+    try:
+        driver = Driver(eng)
+        ab_runner._decode(driver, SamplingParams, eng.config.model_config.vocab_size, bs, ctx, steps)
+    finally:
+        eng.shutdown()
+    timed = [r for r in driver.steps if r.phase == "decode" and r.batch_size == bs][1:]  # as _decode takes them
+    assert len(timed) == steps
+    mean = sum(r.kv_tokens for r in timed) / (bs * steps)
     assert abs(mean - ctx) <= 0.5, mean

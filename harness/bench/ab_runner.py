@@ -28,9 +28,13 @@ def _ids(n: int, vocab: int, seed: int) -> List[int]:
 
 
 def _decode(driver: Any, params: Any, vocab: int, bs: int, ctx: int, steps: int) -> float:
-    """Median period of the decode steps of bs running requests at context ctx (the first one left out)."""
+    """Median period of the decode steps of bs running requests at context ctx (the first one left out): prompts of
+    ctx - (steps + 3) // 2 tokens, so that the measured steps, which attend over prompt + 2 ... prompt + steps + 1
+    tokens, average ctx (harness.bench.workloads.decode_prompt_len, written out: the runner imports no module of the
+    harness but the driver)."""
+    prompt = max(1, ctx - (steps + 3) // 2)
     driver.steps.clear()
-    driver.generate([_ids(ctx, vocab, 1000 + i) for i in range(bs)], params(max_tokens=steps + 2, ignore_eos=True))
+    driver.generate([_ids(prompt, vocab, 1000 + i) for i in range(bs)], params(max_tokens=steps + 2, ignore_eos=True))
     return statistics.median([s.seconds for s in driver.steps if s.phase == "decode" and s.batch_size == bs][1:])
 
 
