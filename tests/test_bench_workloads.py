@@ -16,12 +16,16 @@ from harness.bench.workloads import engine_decode
 from harness.driver import Driver
 
 
+def _engine() -> Engine:
+    zoo.prepare("tiny-qwen3")
+    return Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
+                               dtype=torch.float32, device="cpu", num_page_override=1024, max_seq_len_override=256,
+                               max_running_req=4))
+
+
 @pytest.mark.parametrize("bs,ctx,steps", [(1, 64, 8), (3, 100, 9), (2, 33, 32)])
 def test_decode_steps_average_the_stated_context(bs, ctx, steps):
-    zoo.prepare("tiny-qwen3")
-    eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
-                              dtype=torch.float32, device="cpu", num_page_override=1024, max_seq_len_override=256,
-                              max_running_req=4))
+    eng = _engine()
     try:
         records = engine_decode(Driver(eng), bs, ctx, steps, eng.config.model_config.vocab_size)
     finally:
@@ -33,10 +37,7 @@ def test_decode_steps_average_the_stated_context(bs, ctx, steps):
 
 @pytest.mark.parametrize("bs,ctx,steps", [(1, 64, 8), (2, 33, 32)])
 def test_the_ab_runners_decode_steps_average_the_stated_context(bs, ctx, steps):
-    zoo.prepare("tiny-qwen3")
-    eng = Engine(EngineConfig(model_path=str(zoo.path("tiny-qwen3")), tp_info=DistributedInfo(0, 1),
-                              dtype=torch.float32, device="cpu", num_page_override=1024, max_seq_len_override=256,
-                              max_running_req=4))
+    eng = _engine()
     try:
         driver = Driver(eng)
         ab_runner._decode(driver, SamplingParams, eng.config.model_config.vocab_size, bs, ctx, steps)
