@@ -58,8 +58,13 @@ def available() -> bool:
     return True
 
 
+def pow2_ceil(k: int) -> int:
+    return 1 << max(0, k - 1).bit_length()
+
+
 def block_m(m: int) -> int:
-    return 1 << max(0, m - 1).bit_length()
+    """The rows a program holds: m rounded up to a power of two."""
+    return pow2_ceil(m)
 
 
 def fits(bm: int, config: Config) -> bool:
@@ -69,14 +74,26 @@ def fits(bm: int, config: Config) -> bool:
 
 def search_space(bm: int, k: int) -> list[Config]:
     """Every configuration the tuner tries (and the tests run) for a block of bm rows and reduction length k: each
-    thread loads at least one 16-byte vector of W a step, and a step is no wider than twice K."""
+    thread loads at least one 16-byte vector of W a step, and a step is no wider than K rounded up to a power of two
+    (at one row the widest, where it fits, holds all of K: `whole_k`)."""
     out = []
     for bn in (1, 2, 4, 8):
         for bk in (256, 512, 1024, 2048, 4096):
-            for warps in (4, 8):
-                if bk <= max(256, 2 * k) and bn * bk >= 256 * warps and fits(bm, (bn, bk, warps)):
+            for warps in (1, 2, 4, 8):
+                if bk <= max(256, pow2_ceil(k)) and bn * bk >= 256 * warps and fits(bm, (bn, bk, warps)):
                     out.append((bn, bk, warps))
     return out
+
+
+def whole_k(bm: int, k: int, bk: int) -> Tuple[int, int] | None:
+    """For one row, a step of bk >= K columns holds all of K in two tiles: (head, tail), the largest power of two
+    <= K and the rest rounded up to a power of two (0 where K is one), so no lane loads a masked column and the
+    program's whole share of W is loaded before it waits for x. None otherwise: K walked in steps of bk (the last
+    one masked where bk does not divide K); the kernel's whole-K form holds one row."""
+    if bm != 1 or bk < k:
+        return None
+    head = 1 << (k.bit_length() - 1)
+    return head, 0 if k == head else pow2_ceil(k - head)
 
 
 def default_config(bm: int, n: int, k: int, sms: int) -> Config:
@@ -150,9 +167,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = x.is_cuda and programmatic_launch(x.device.index if x.device.index is not None else 0)
+    tiles = whole_k(bm, k, bk)
     _kernel()[(-(-n // bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=tiles[0] if tiles else bk, WHOLE_K=tiles is not None, TAIL_K=tiles[1] if tiles else 0,
         USE_PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return y
 
