@@ -17,9 +17,9 @@ own wait is over, so that in a chain (norm, gate_up, down) the third's weights s
 (decode graph at bs 1 / 2 / 4 / 8: 1043 / 1117 / 1223 / 1447 us -> 1009 / 1101 / 1212 / 1448; o_proj alone 2.50 ->
 2.03 us, down 4.21 -> 3.91). At one row a program holds all of K (`whole_k`) and so loads its whole share of W before
 that wait (the bench's M = 1 table, qkv / o_proj / gate_up / down 3.74 / 2.03 / 4.92 / 3.88 -> 2.65 / 1.89 / 3.72 /
-2.72 us; the bs-1 decode graph 1006 -> 940 us). Every kernel the engine launches under PDL reads only constants before its own wait
-and writes only after it, so a kernel started early neither reads what the ones before it have yet to write nor
-overwrites what they still read.
+2.72 us; the bs-1 decode graph 1006 -> 940 us). Every kernel the engine launches under PDL reads only constants
+before its own wait and writes only after it, so a kernel started early neither reads what the ones before it have yet
+to write nor overwrites what they still read.
 
 Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the device (`python -m
 harness.bench.tune_gemm`: skinny_gemm_tuned.json, keyed by device name and "M,N,K" with M rounded up to a power of

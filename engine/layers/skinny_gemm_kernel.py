@@ -37,7 +37,8 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     rk = tl.arange(0, BLOCK_K)
     row_ok = rm[:, None] < M
     col_ok = rn[:, None] < N
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    w_ptrs = w_rows + rk[None, :]
     # Under PDL the next kernel may launch at once (it waits for this one to finish before it reads what this one
     # writes), and W, which is constant, is loaded before waiting on the kernel that writes x: all of the program's
     # W (WHOLE_K), else its first K step
@@ -47,8 +48,8 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
         w = tl.load(w_ptrs, mask=col_ok, other=0.0, eviction_policy="evict_first")
         if TAIL_K:
             rt = BLOCK_K + tl.arange(0, TAIL_K)
-            w_tail = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rt[None, :],
-                             mask=col_ok & (rt[None, :] < K), other=0.0, eviction_policy="evict_first")
+            w_tail = tl.load(w_rows + rt[None, :], mask=col_ok & (rt[None, :] < K), other=0.0,
+                             eviction_policy="evict_first")
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         out = _dot_row(x_tile(x_ptr + rk, rk < K, K, ACT), w)

@@ -23,7 +23,7 @@ from engine.layers import skinny_gemm
 from engine.models.config import ModelConfig
 from engine.utils.hf import cached_load_hf_config
 from harness import zoo
-from harness.bench.gemm import MIN_CALLS, _time_per_call
+from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call
 from harness.report import markdown_table
 
 ROWS = (1, 2, 4, 8, 16)
@@ -85,10 +85,11 @@ def report_markdown(rows: List[Dict[str, object]], device: str, bandwidth: float
             f"{torch.__version__}, Triton {triton.__version__}, {time.strftime('%Y-%m-%d')}; bandwidth measured in "
             f"the same run: {bandwidth / 1e12:.2f} TB/s (a large device copy, read + write). Each time is one call, "
             f"from {MIN_CALLS}+ calls back to back in one CUDA graph, each over its own copy of the weight (copies: "
-            "four times the L2 cache), median of 20 replays; every configuration was checked against a float64 "
-            "product (within twice cuBLAS's error) before it was timed. `skinny best` is the fastest configuration (BLOCK_N, BLOCK_K, warps; at one row a "
-            "BLOCK_K of K or more holds all of K at once) and `entry` what `engine/layers/skinny_gemm_tuned.json` "
-            "holds: that configuration, or cuBLAS where cuBLAS was faster."
+            f"four times the L2 cache), median of {REPLAYS} replays; every configuration was checked against a "
+            "float64 product (within twice cuBLAS's largest error plus 0.01) before it was timed. `skinny best` is the "
+            "fastest configuration (BLOCK_N, BLOCK_K, warps; at one row a BLOCK_K of K or more holds all of K at once) "
+            "and `entry` what `engine/layers/skinny_gemm_tuned.json` holds: that configuration, or cuBLAS where cuBLAS "
+            "was faster."
             + ("" if {r["M"] for r in rows} >= set(ROWS) else
                " The table's entries for other row counts were kept from its earlier runs.")
             + "\n\n" + markdown_table(table))
