@@ -13,7 +13,8 @@ Semantics, per request, the same on every device (harness/sampling/oracle.py is 
 No rule depends on the order of equal probabilities. FlashInfer's renorm kernels (CUDA, no sort) and the torch filter
 (any device, one sort of the values) implement the same rule.
 
-The draw is an inverse CDF at one uniform per row, and a row's uniform is a hash of (seed, request, position): a
+The draw is an inverse CDF (float64) at one uniform per row; on CUDA it is one Triton program a row, with the softmax
+in it when temperature is the only filter (sample_kernel.py). A row's uniform is a hash of (seed, request, position): a
 request's tokens depend on its seed and its own logits only, not on its batch-mates, its row or a device RNG.
 Every `sample` call on the same args is a new draw: the first reads the uniforms `prepare` laid out (what the
 request gets in any batch and either driver loop, which sample once per prepare), the d-th hashes (key, d), so a
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.core import Batch, SamplingParams
-from engine.utils.device import has_flashinfer, make_device_tensor
+from engine.utils.device import has_flashinfer, has_triton, make_device_tensor
 
 MIN_T = MIN_P = 1e-6
 INVALID_TOKEN = -1
@@ -104,9 +105,18 @@ class Sampler:
             # |top| < inf is isfinite (False for NaN and +-inf) in two kernels; torch.isfinite is eq, abs, ne and mul
             return torch.where(top.abs() < math.inf, tokens, INVALID_TOKEN)
         valid = torch.isfinite(logits.amax(dim=-1))
-        logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
-        impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
-        tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, args.next_uniforms(self.device))
+        uniforms = args.next_uniforms(self.device)
+        if logits.is_cuda and has_triton() and args.top_k is None and args.top_p is None and args.min_p is None:
+            # temperature alone: one kernel over the logits as they are (sample_kernel.py); a bad row's draw is
+            # replaced below
+            from engine.sample_kernel import draw
+
+            tokens = draw(logits.contiguous(), _uniforms_or_random(uniforms, logits.shape[0], logits.device, None),
+                          args.temperatures)
+        else:
+            logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
+            impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
+            tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, uniforms)
         if args.greedy is not None:
             tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
         return torch.where(valid, tokens, INVALID_TOKEN)
@@ -161,7 +171,12 @@ def filtered_probs_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------- the draw
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The token whose CDF interval holds u x total mass, per row. The CDF is summed in float64, so no tail token's
-    mass is lost to rounding; u < 1 keeps the point below the total, so the token found has positive mass."""
+    mass is lost to rounding; u < 1 keeps the point below the total, so the token found has positive mass. On CUDA
+    one Triton program a row (sample_kernel.py), in place of a float64 copy, scan and search of the whole matrix."""
+    if probs.is_cuda and has_triton():
+        from engine.sample_kernel import draw
+
+        return draw(probs.contiguous(), uniforms)
     cdf = probs.double().cumsum(dim=-1)
     point = (uniforms * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

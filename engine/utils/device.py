@@ -60,6 +60,16 @@ def has_flashinfer() -> bool:
     return True
 
 
+@functools.cache
+def has_triton() -> bool:
+    """Whether Triton (the engine's own kernels: skinny GEMM, fused norms and RoPE, the sampler's draw) is installed."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pin(device: torch.device) -> bool:
     """Pinned host memory lets host-to-device copies run asynchronously; it only means something with CUDA."""
     return is_cuda(device)
