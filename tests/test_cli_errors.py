@@ -119,3 +119,19 @@ def test_fuzz_replay_of_a_file_that_is_no_case(capsys, tmp_path):
     (tmp_path / "case.json").write_text("{}")
     assert main(["fuzz", "--replay", str(tmp_path / "case.json")]) == 2
     one_error_line(capsys, "is not a fuzz case", "give the JSON file")
+
+
+def test_sampling_with_a_real_model_this_machine_cannot_get(capsys, monkeypatch, tmp_path):
+    """A real model's cases whose weights cannot be downloaded (no package index) and are not in the zoo cache: one
+    line before the grid starts, naming the model, the ways to get it and the flags that leave its cases out."""
+    from harness import zoo
+
+    def no_index(cmd, **kw):
+        raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setenv("ENGINE_ZOO_DIR", str(tmp_path))
+    monkeypatch.delenv("ENGINE_ZOO_GEMMA3_GGUF", raising=False)
+    monkeypatch.setattr(zoo.subprocess, "run", no_index)
+    monkeypatch.setattr("harness.sampling.run.run_grid", lambda *a, **k: pytest.fail("the grid started"))
+    assert main(["sampling", "--real-model", "gemma3-270m"]) == 2
+    one_error_line(capsys, "could not download", "gemma3-270m", "ENGINE_ZOO_GEMMA3_GGUF", "--no-real")

@@ -20,7 +20,7 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness import check_device, report
+from harness import UserError, check_device, report, zoo
 from harness.sampling import oracle
 from harness.sampling.cases import REAL_MODELS, Case, all_cases, describe
 from harness.sampling.report import GridResult, RowResult, table_rows, write_report
@@ -172,5 +172,10 @@ def main_from_parity(update: bool = False) -> int:
 def command(args: argparse.Namespace) -> int:
     check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
     models = [] if args.no_real else (args.real_model or list(REAL_MODELS))
+    for model in models:  # before the grid: a model this machine cannot get ends the run now, in one line
+        try:
+            zoo.prepare(model)
+        except UserError as e:
+            raise UserError(f"{e}, or leave its cases out (--real-model with the others, or --no-real)") from e
     return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
                    args.update_reports)
