@@ -3,7 +3,8 @@ cumsum, searchsorted), searched by hypothesis over rows, vocabularies (within on
 blocks), logits (spread, ties, masked -inf ids), temperatures (a greedy row's 1e-6 too) and uniforms; on the CPU
 through Triton's interpreter. Each drawn id is torch's inverse CDF at the row's point up to rounding: its CDF interval
 [cdf[k - 1], cdf[k]) holds the point within 1e-6 of the row's mass (float32 probabilities summed in another order
-differ by a few units of 1e-7), and it has mass."""
+differ by a few units of 1e-7), and it has mass. The check itself fails a draw planted one id off or read 0.1% of
+the mass low."""
 
 from __future__ import annotations
 
@@ -71,3 +72,19 @@ def test_draw_from_given_probabilities_is_torchs_inverse_cdf(case):
     probs = torch.where(probs >= probs.amax(-1, keepdim=True) * 0.01, probs, 0.0)
     got = draw(probs.to(DEVICE), uniforms.to(DEVICE)).cpu()
     _assert_inverse_cdf(probs, uniforms, got)
+
+
+@pytest.mark.parametrize("fault", ["the next id", "the point x 0.999"])
+def test_the_check_catches_a_draw_off_by_one_id_or_a_thousandth_of_the_mass(fault):
+    """The check above against draws planted wrong: the id after the right one, or the inverse CDF read 0.1% low
+    (16 rows of 9000 ids at spread 1: every id's interval is far narrower than 0.1% of the mass)."""
+    from engine.sample import inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(16, 9000, generator=gen), -1)
+    uniforms = torch.rand(16, dtype=torch.float64, generator=gen) * 0.9 + 0.05
+    right = inverse_cdf(probs, uniforms)
+    _assert_inverse_cdf(probs, uniforms, right)
+    wrong = right + 1 if fault == "the next id" else inverse_cdf(probs, uniforms * 0.999)
+    with pytest.raises(AssertionError):
+        _assert_inverse_cdf(probs, uniforms, wrong)
