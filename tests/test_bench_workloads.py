@@ -47,3 +47,16 @@ def test_the_ab_runners_decode_steps_average_the_stated_context(bs, ctx, steps):
     assert len(timed) == steps
     mean = sum(r.kv_tokens for r in timed) / (bs * steps)
     assert abs(mean - ctx) <= 0.5, mean
+
+
+def test_the_offline_targets_state_what_sampling_costs():
+    """On CUDA the targets put the offline run beside the same requests greedy: the difference is the sampler's."""
+    from harness.bench.report import targets
+
+    def row(workload: str, seconds: float) -> dict:
+        return {"model": "m", "runner": "engine", "workload": workload, "median_s": seconds,
+                "tokens_per_s": 1000 / seconds, "fraction_of_floor": 0.5}
+
+    got = targets({"device": "cuda", "rows": [row("offline", 6.45), row("offline_greedy", 5.75)]})
+    line = [t for t in got if "what sampling" in t["target"]]
+    assert len(line) == 1 and line[0]["reached"] == "0.70 s of 6.45 s", got

@@ -114,8 +114,10 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
             for bs in tqdm(spec.simple_bs, desc=f"{model} simple loop (no overlap) decode"):
                 rows.append(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab, cost,
                                          limits)[0])
-            for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_subset", (sub_prompts, sub_outs))):
-                run = engine_offline(driver, ps, os_, greedy=name == "offline_subset")
+            # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs
+            for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_greedy", (prompts, outs)),
+                                    ("offline_subset", (sub_prompts, sub_outs))):
+                run = engine_offline(driver, ps, os_, greedy=name != "offline")
                 rows.append(_offline_row(model, runner, name, run, cost, limits))
         finally:
             engine.shutdown()
