@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import skinny_gemm
+from engine.utils.device import has_triton
 
-pytestmark = [pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton"), pytest.mark.devices]
+pytestmark = [pytest.mark.skipif(not has_triton(), reason="needs Triton"), pytest.mark.devices]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from engine.kvcache import KVCachePool
 from engine.layers import qk_rope_store as fused
-from engine.layers import skinny_gemm
+from engine.utils.device import has_triton
 from engine.layers.rotary import cos_sin_table
 from engine.models.config import RotaryConfig
 
-pytestmark = [pytest.mark.skipif(not skinny_gemm.available(), reason="needs Triton"), pytest.mark.devices]
+pytestmark = [pytest.mark.skipif(not has_triton(), reason="needs Triton"), pytest.mark.devices]
 MAX_POSITION, EPS, LAYER = 512, 1e-6, 1
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.layers import skinny_gemm as sg
+from engine.utils.device import has_triton
 
-pytestmark = [pytest.mark.skipif(not sg.available(), reason="needs Triton"), pytest.mark.devices]
+pytestmark = [pytest.mark.skipif(not has_triton(), reason="needs Triton"), pytest.mark.devices]
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engine.core import forwarding_prefill
 from engine.kvcache import KVCachePool
 from engine.layers import qk_rope_store, skinny_gemm
-from engine.utils.device import has_flashinfer
+from engine.utils.device import has_flashinfer, has_triton
 
 OPS_BACKENDS = ("torch", "flashinfer")
 
@@ -95,7 +95,7 @@ class FlashInferOps(TorchOps):
         import flashinfer
 
         self.fi = flashinfer
-        self.triton = skinny_gemm.available()
+        self.triton = has_triton()
 
     def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
         # the kernel reads an fp32 cache: give it HF's cos/sin values (rounded to the model dtype), so only the

@@ -38,7 +38,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from engine.utils.device import has_triton, programmatic_launch
+from engine.utils.device import programmatic_launch
 
 MAX_ROWS = 16
 TABLE = Path(__file__).with_name("skinny_gemm_tuned.json")
@@ -50,10 +50,6 @@ ACC_PER_THREAD = 128
 DEFAULT_MAX_BLOCK_M = 4
 
 Config = Tuple[int, int, int]  # BLOCK_N, BLOCK_K, num_warps
-
-
-def available() -> bool:
-    return has_triton()
 
 
 def pow2_ceil(k: int) -> int:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.layers import skinny_gemm
 from engine.models.config import ModelConfig
+from engine.utils.device import has_triton
 from engine.utils.hf import cached_load_hf_config
 from harness import zoo
 from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call
@@ -105,7 +106,7 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--json", help="also write the measured rows here")
     p.add_argument("--report", help="also write the table as markdown here, with the run's provenance")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or not skinny_gemm.available():
+    if not torch.cuda.is_available() or not has_triton():
         print("error: tune_gemm needs a CUDA device and Triton", file=sys.stderr)
         return 2
     from harness.bench.limits import measure_limits
