@@ -1,8 +1,11 @@
-"""The bench's decode workloads measure what their rows say: the steps they time attend over the stated context on
+"""The bench's workloads measure what their rows say: the decode steps they time attend over the stated context on
 average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size, in the
-bench and in the A/B runner (`--against`) alike."""
+bench and in the A/B runner (`--against`) alike; and a timed run does not pay for the garbage of what ran before it."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.bench import ab_runner
-from harness.bench.workloads import engine_decode
+from harness.bench.workloads import engine_decode, engine_offline, engine_prefill, engine_ttft
 from harness.driver import Driver
 
 
@@ -60,3 +63,39 @@ def test_the_offline_targets_state_what_sampling_costs():
     got = targets({"device": "cuda", "rows": [row("offline", 6.45), row("offline_greedy", 5.75)]})
     line = [t for t in got if "what sampling" in t["target"]]
     assert len(line) == 1 and line[0]["reached"] == "0.70 s of 6.45 s", got
+
+
+class _Cycle:
+    """An object in a reference cycle (as torch.profiler's events are): only a full collection frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.parametrize("workload", ["prefill", "ttft", "decode", "offline"])
+def test_a_timed_run_starts_with_the_garbage_before_it_collected(workload):
+    """With automatic collection off, a cycle left by what ran before is freed only by the workload's own collection
+    (settle): it must be gone when the timed generate starts. Without settle it is alive there."""
+    eng = _engine()
+    driver, vocab = Driver(eng), eng.config.model_config.vocab_size
+    runs = {"prefill": lambda: engine_prefill(driver, 16, vocab, 2), "ttft": lambda: engine_ttft(driver, 16, vocab, 2),
+            "decode": lambda: engine_decode(driver, 2, 24, 4, vocab),
+            "offline": lambda: engine_offline(driver, [[11] * 8, [12] * 9, [13] * 10], [3, 4, 5])}
+    garbage = _Cycle()
+    ref = weakref.ref(garbage)
+    del garbage
+    alive_at_calls = []
+    generate = driver.generate
+
+    def recording(*args, **kwargs):
+        alive_at_calls.append(ref() is not None)
+        return generate(*args, **kwargs)
+
+    driver.generate = recording
+    gc.disable()
+    try:
+        runs[workload]()
+    finally:
+        gc.enable()
+        eng.shutdown()
+    assert alive_at_calls and alive_at_calls[-1] is False, alive_at_calls
