@@ -27,7 +27,9 @@ def page_ids(page_table: torch.Tensor, kv_indptr: torch.Tensor, rows: torch.Tens
     return out
 
 
-@triton.jit
+# the page lists are rows of one int32 buffer of n + 1 columns, so where kv_indptr and rows start varies with the
+# request count n: not specialized on it (16-byte aligned or not), the kernel compiles once
+@triton.jit(do_not_specialize_on_alignment=["indptr_ptr", "rows_ptr"])
 def page_ids_kernel(table_ptr, stride_row, indptr_ptr, rows_ptr, out_ptr, PAGE_SIZE: tl.constexpr,
                     BLOCK: tl.constexpr):
     i = tl.program_id(0)

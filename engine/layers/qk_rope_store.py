@@ -65,7 +65,10 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # N, and where positions and slots start, vary with every batch: specialized on them (N divisible by 16, the
+    # pointers 16-byte aligned), the kernel compiled up to four variants, each the first time a batch's counts
+    # met it, in the middle of a run
+    @triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["N", "pos_ptr", "loc_ptr"])
     def qk_rope_store_kernel(pos_ptr, q_ptr, kv_ptr, table_ptr, qw_ptr, kw_ptr, k_pool_ptr, v_pool_ptr, loc_ptr, N,
                              stride_qn, stride_qh, stride_kvn, stride_kv2, stride_kvh, stride_table,
                              stride_ks, stride_kh, stride_vs, stride_vh, eps,

@@ -67,7 +67,8 @@ def settle() -> None:
     """Collect the process's cyclic garbage before a timed run, so that the run does not pay for what ran before it.
     torch.profiler's events are reference cycles, which only a full collection frees, and the next full collection
     comes when enough has piled up, in whatever runs then: fifteen profiles of 2,550 events each (the bench's decode
-    profiles hold 2,550 kernels) left 112,000 unreachable objects, 0.20 s to collect on a 2-core host."""
+    profiles hold 2,550 kernels) left 112,000 unreachable objects, 0.20 s to collect on a 2-core host; after the
+    bench's decode and prefill workloads the collection took 0.21-0.24 s on the H200's host."""
     gc.collect()
 
 
