@@ -31,9 +31,8 @@ def test_qk_rope_store_compiles_once_for_any_count_and_offset():
     counts = []
     for n in (15, 16, 17, 18, 19, 32):
         for offset in range(4):  # positions and slots as the driver lays them out: views at offsets in one buffer
-            buf = torch.arange(4 + 4 * n, dtype=torch.int32, device=dev)
-            positions = buf[offset: offset + n]
-            slots = torch.arange(offset, offset + n, dtype=torch.int64, device=dev)
+            positions = torch.arange(4 + n, dtype=torch.int32, device=dev)[offset: offset + n]
+            slots = torch.arange(4 + n, dtype=torch.int64, device=dev)[offset: offset + n]
             qkv = torch.randn(n, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=dev)
             q = qkv[:, : hq * d].view(n, hq, d)
             kv = qkv[:, hq * d:].view(n, 2, hkv, d)
