@@ -16,8 +16,12 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not (torch.cuda.is_available(
 
 
 def _variants(kernel) -> int:
-    """Compiled variants of a Triton kernel, over devices (its per-device cache of compiled kernels)."""
-    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+    """Compiled variants of a Triton kernel, over devices: its per-device caches of compiled kernels (device_caches'
+    first member since Triton 3.2, a plain dict a device before)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(cache[0]) for cache in caches.values())
+    return sum(len(cache) for cache in kernel.cache.values())
 
 
 def test_qk_rope_store_compiles_once_for_any_count_and_offset():
