@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not (torch.cuda.is_available(
 
 def _variants(kernel) -> int:
     """Compiled variants of a Triton kernel, over devices: its per-device caches of compiled kernels (device_caches'
-    first member since Triton 3.2, a plain dict a device before)."""
+    first member in recent Triton releases, a dict a device in older ones)."""
     caches = getattr(kernel, "device_caches", None)
     if caches is not None:
         return sum(len(cache[0]) for cache in caches.values())
