@@ -100,6 +100,10 @@ class FlashInferBackend(AttentionBackend):
         # them to the device asynchronously; the next step waits for those copies before it writes the lists, so
         # neither overwrites a buffer a copy in flight still reads.
         self.planned = torch.cuda.Event()
+        # the engine's stream (current when the engine makes its backend), passed to record(): without one, record()
+        # looks the current stream up through a chain of Python calls (over 10 us on the H200's host, before a
+        # prefill's launch)
+        self.stream = torch.cuda.current_stream(device)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._sm90: Dict[int, Tuple[List[int], int] | None] = {}  # window_left -> _sm90_layout's answer
         self._host_views: Dict[Tuple[Tuple[int, ...], int], _HostViews] = {}  # (static shape, entries) -> views
@@ -198,7 +202,7 @@ class FlashInferBackend(AttentionBackend):
         else:
             wrappers = self.decode
             self._plan_decode(wrappers, lists)
-        self.planned.record()
+        self.planned.record(self.stream)
         batch.attn_metadata = self._metadata(batch, lists, wrappers)
 
     def _plan_decode(self, wrappers: Dict[int, Any], lists: _PageLists) -> None:
@@ -297,7 +301,7 @@ class FlashInferBackend(AttentionBackend):
         self.planned.synchronize()
         lists = self._page_lists(batch)
         self._plan_decode(self.graph_wrappers[bs], lists)
-        self.planned.record()
+        self.planned.record(self.stream)
         self.graph_plan = None
         batch.attn_metadata = self._metadata(batch, lists, self.graph_wrappers[bs])
 
