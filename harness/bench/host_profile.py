@@ -3,8 +3,10 @@ steps through the driver, function by function.
 
 For each prefill length and decode batch size: the driver's own timers by part (harness/bench/profile.py's
 host_parts: build, plan, sample_prep, launch, process, wait, medians), the host functions a step calls (TIMED), each
-timed by a wrapper around it (median us a call and calls a step; nested: a caller's time includes its callees'; a
-wrapper costs well under a microsecond, so these compare with the parts), cProfile over a run of them (the Python
+timed by a wrapper around it (us a step: all its calls' time over the run's steps; median us a call and calls a step;
+nested: a caller's time includes its callees'; a wrapper costs well under a microsecond, so these compare with the
+parts; read a function called more than once a step by its us a step: its calls may do different work, as the
+scheduler's, which admits on one call and releases on the next, and a median of those is neither), cProfile over a run of them (the Python
 functions, by own and by cumulative time: cProfile's own overhead inflates both, so compare within a table, not with
 the timers), torch.profiler's table of aten ops and CUDA runtime calls for the smallest prefill and batch (CUPTI's
 tracing slows cudaGraphLaunch several times over: read its row from cProfile's torch/cuda/graphs.py replay instead),
@@ -82,11 +84,11 @@ def timed_functions() -> Iterator[Dict[str, List[float]]]:
 
 
 def function_table(calls: Dict[str, List[float]], steps: int) -> Dict[str, Dict[str, float]]:
-    """label -> median us a call and calls a step (over the run's steps: a decode run's prefill among them), the
-    largest median first."""
-    rows = {label: {"median_us": statistics.median(t) * 1e6, "calls_per_step": len(t) / steps}
-            for label, t in calls.items()}
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["median_us"]))
+    """label -> us a step (all its calls over the run's steps: a decode run's prefill among them), median us a call
+    and calls a step, the most time a step first."""
+    rows = {label: {"us_per_step": sum(t) / steps * 1e6, "median_us": statistics.median(t) * 1e6,
+                    "calls_per_step": len(t) / steps} for label, t in calls.items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"]))
 
 
 def _stats(prof: cProfile.Profile, key: str, rows: int = 40) -> str:
@@ -173,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             gpu = f"; graph replay {part['replay_s'] * 1e3:.3f} ms" if "replay_s" in part else ""
             print(f"{name}: host ms: {host}{gpu}")
             rows = part["functions"].items()
-            print("  us a call (calls a step): " + ", ".join(f"{label} {r['median_us']:.0f} ({r['calls_per_step']:.2g})"
-                                                         for label, r in rows))
+            print("  us a step (median us a call x calls a step): " + ", ".join(
+                f"{label} {r['us_per_step']:.0f} ({r['median_us']:.0f} x {r['calls_per_step']:.2g})"
+                for label, r in rows))
     print(f"wrote {args.out}/summary.json, cprofile_*.txt, torch_*.txt")
     return 0
 
