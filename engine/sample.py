@@ -35,6 +35,9 @@ from engine.utils.device import has_flashinfer, has_triton, make_device_tensor
 
 MIN_T = MIN_P = 1e-6
 INVALID_TOKEN = -1
+# from this many rows an all-greedy batch's argmax is sample_kernel.py's (one program a row); below, torch's max,
+# which splits a row over many programs
+ARGMAX_KERNEL_ROWS = 64
 
 
 @dataclass
@@ -100,23 +103,29 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """logits [bs, vocab] -> tokens [bs] int64 (-1 for a row with NaN or no finite maximum)."""
+        kernels = logits.is_cuda and has_triton()
         if args.temperatures is None:
+            if kernels and logits.shape[0] >= ARGMAX_KERNEL_ROWS:
+                from engine.sample_kernel import argmax
+
+                return argmax(logits.contiguous())
             top, tokens = logits.max(dim=-1)  # max propagates NaN, so a NaN row has a non-finite top
             # |top| < inf is isfinite (False for NaN and +-inf) in two kernels; torch.isfinite is eq, abs, ne and mul
             return torch.where(top.abs() < math.inf, tokens, INVALID_TOKEN)
-        valid = torch.isfinite(logits.amax(dim=-1))
         uniforms = args.next_uniforms(self.device)
-        if logits.is_cuda and has_triton() and args.top_k is None and args.top_p is None and args.min_p is None:
-            # temperature alone: one kernel over the logits as they are (sample_kernel.py); a bad row's draw is
-            # replaced below
+        if kernels and args.top_k is None and args.top_p is None and args.min_p is None:
+            # temperature alone: one kernel over the logits as they are, -1 for a bad row (sample_kernel.py)
             from engine.sample_kernel import draw
 
             tokens = draw(logits.contiguous(), _uniforms_or_random(uniforms, logits.shape[0], logits.device, None),
                           args.temperatures)
-        else:
-            logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
-            impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
-            tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, uniforms)
+            if args.greedy is not None:
+                tokens = torch.where(args.greedy & (tokens >= 0), torch.argmax(logits, dim=-1), tokens)
+            return tokens
+        valid = torch.isfinite(logits.amax(dim=-1))
+        logits = torch.where(valid.unsqueeze(1), logits.float(), 0.0)
+        impl = sample_flashinfer if logits.is_cuda and has_flashinfer() else sample_torch
+        tokens = impl(logits, args.temperatures, args.top_k, args.top_p, args.min_p, uniforms)
         if args.greedy is not None:
             tokens = torch.where(args.greedy, torch.argmax(logits, dim=-1), tokens)
         return torch.where(valid, tokens, INVALID_TOKEN)

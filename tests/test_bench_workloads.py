@@ -1,6 +1,7 @@
 """The bench's workloads measure what their rows say: the decode steps they time attend over the stated context on
 average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size, in the
-bench and in the A/B runner (`--against`) alike; and a timed run does not pay for the garbage of what ran before it."""
+bench and in the A/B runner (`--against`) alike; the decode graph's profiled replay is a step at that context; and a
+timed run does not pay for the garbage of what ran before it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.bench import ab_runner
-from harness.bench.workloads import engine_decode, engine_offline, engine_prefill, engine_ttft
+from harness.bench.workloads import decode_at, engine_decode, engine_offline, engine_prefill, engine_ttft
 from harness.driver import Driver
 
 
@@ -36,6 +37,21 @@ def test_decode_steps_average_the_stated_context(bs, ctx, steps):
     assert len(records) == steps and all(r.phase == "decode" and r.batch_size == bs for r in records)
     mean = sum(r.kv_tokens for r in records) / (bs * steps)
     assert abs(mean - ctx) <= 0.5, mean
+
+
+@pytest.mark.parametrize("bs,ctx", [(1, 64), (3, 100), (4, 2)])
+def test_the_profiled_replay_is_a_step_at_the_stated_context(bs, ctx):
+    """decode_at leaves the driver's last step a decode of bs requests over ctx tokens each: the step whose page
+    lists and lengths the bs graph's profiled replay reads."""
+    eng = _engine()
+    try:
+        driver = Driver(eng)
+        engine_decode(driver, bs, ctx, 8, eng.config.model_config.vocab_size)  # the rows' run, which ends past ctx
+        last = decode_at(driver, bs, ctx, eng.config.model_config.vocab_size)
+    finally:
+        eng.shutdown()
+    assert last is driver.steps[-1]
+    assert (last.phase, last.batch_size, last.kv_tokens) == ("decode", bs, bs * ctx), last
 
 
 @pytest.mark.parametrize("bs,ctx,steps", [(1, 64, 8), (2, 33, 32)])

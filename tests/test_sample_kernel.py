@@ -1,10 +1,12 @@
-"""The sampler's Triton draw (engine/sample_kernel.py) against torch's (sample.py: softmax in float32, float64
-cumsum, searchsorted), searched by hypothesis over rows, vocabularies (within one block, at its edges, several
-blocks), logits (spread, ties, masked -inf ids), temperatures (a greedy row's 1e-6 too) and uniforms; on the CPU
-through Triton's interpreter. Each drawn id is torch's inverse CDF at the row's point up to rounding: its CDF interval
-[cdf[k - 1], cdf[k]) holds the point within 1e-6 of the row's mass (float32 probabilities summed in another order
-differ by a few units of 1e-7), and it has mass. The check itself fails a draw planted one id off or read 0.1% of
-the mass low."""
+"""The sampler's Triton kernels (engine/sample_kernel.py), searched by hypothesis over rows, vocabularies (within one
+block, at its edges, several blocks), logits (spread, ties, masked -inf ids, bad rows), temperatures (a greedy row's
+1e-6 too) and uniforms; on the CPU through Triton's interpreter. The draw against the inverse CDF of the float64
+softmax of the float32 tempered logits (sample.py's float64 reference; torch's float32 softmax flushes to zero the
+ids more than about 104 below the max, which the kernel's weights relative to each block's own max may keep, so a
+point of exactly 0 can fall on one of them): each drawn id's CDF interval [cdf[k - 1], cdf[k]) holds the point
+within 1e-6 of the row's mass (probabilities rounded in float32 and summed in another order differ by a few units of
+1e-7), and it has mass. The check itself fails a draw planted one id off or read 0.1% of the mass low. The argmax
+against torch's, and both kernels' answer to a bad row (-1) against sample.py's rule."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def test_tempered_draw_is_torchs_inverse_cdf(case):
 
     logits, temps, uniforms = case
     got = draw(logits.to(DEVICE), uniforms.to(DEVICE), temps.to(DEVICE)).cpu()
-    _assert_inverse_cdf(torch.softmax(logits.float() / temps.unsqueeze(1), -1), uniforms, got)
+    _assert_inverse_cdf(torch.softmax((logits.float() / temps.unsqueeze(1)).double(), -1), uniforms, got)
 
 
 @settings(max_examples=40, deadline=None)
@@ -89,3 +91,77 @@ def test_the_check_catches_a_draw_off_by_one_id_or_a_thousandth_of_the_mass(faul
     wrong = right + 1 if fault == "the next id" else inverse_cdf(probs, uniforms * 0.999)
     with pytest.raises(AssertionError):
         _assert_inverse_cdf(probs, uniforms, wrong)
+
+
+@st.composite
+def _rows_with_bad(draw):
+    """Rows of _rows with some replaced by bad ones: a NaN, a +inf or a -inf id, all -inf, finite but huge."""
+    logits, temps, uniforms = draw(_rows())
+    logits = logits.float()
+    kinds = draw(st.lists(st.sampled_from(["good", "nan", "+inf", "-inf id", "all -inf", "huge"]),
+                          min_size=len(logits), max_size=len(logits)))
+    for row, kind in enumerate(kinds):
+        at = draw(st.integers(0, logits.shape[1] - 1))
+        if kind in ("nan", "+inf", "-inf id"):
+            logits[row, at] = {"nan": float("nan"), "+inf": float("inf"), "-inf id": float("-inf")}[kind]
+        elif kind == "all -inf":
+            logits[row] = float("-inf")
+        elif kind == "huge":
+            logits[row, at] = 3e38
+    return logits.to(draw(st.sampled_from([torch.float32, torch.bfloat16]))), temps, uniforms
+
+
+def _valid(logits: torch.Tensor) -> torch.Tensor:
+    """sample.py's rule: a row is drawn from iff its max is finite (amax propagates NaN)."""
+    return torch.isfinite(logits.float().amax(-1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_rows_with_bad())
+def test_argmax_is_the_lowest_maximal_id_and_minus_one_for_a_bad_row(case):
+    from engine.sample_kernel import argmax
+
+    logits, _, _ = case
+    got = argmax(logits.to(DEVICE)).cpu()
+    want = torch.where(_valid(logits), logits.float().argmax(-1), -1)  # torch's argmax: the first maximal id
+    assert torch.equal(got, want), (got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_rows_with_bad())
+def test_tempered_draw_gives_minus_one_for_a_bad_row_and_leaves_the_others_alone(case):
+    """Each row is its own program: a bad row's neighbours draw what they draw alone."""
+    from engine.sample_kernel import draw
+
+    logits, temps, uniforms = case
+    valid = _valid(logits)
+    got = draw(logits.to(DEVICE), uniforms.to(DEVICE), temps.to(DEVICE)).cpu()
+    assert torch.equal(got < 0, ~valid), (got, valid)
+    for row in torch.nonzero(valid).flatten().tolist():
+        alone = draw(logits[row: row + 1].to(DEVICE), uniforms[row: row + 1].to(DEVICE),
+                     temps[row: row + 1].to(DEVICE)).cpu()
+        assert got[row] == alone[0]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "mixed"])
+def test_sampler_on_this_device_gives_minus_one_for_bad_rows_only(mode):
+    """Sampler.sample on the device the tests run on (CUDA: the kernels above; the CPU: torch): a NaN, +inf or
+    all -inf row gets -1, a row with a -inf id is drawn from, and the good rows get what they get without the bad."""
+    from engine.sample import Sampler
+    from harness.sampling.run import make_batch
+
+    from engine.core import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    good = torch.randn(6, 3000, generator=gen) * 3
+    bad = good.clone()
+    bad[1, 7], bad[2, 2999], bad[3] = float("nan"), float("inf"), float("-inf")
+    bad[4, 0] = float("-inf")
+    temps = {"greedy": [0.0] * 6, "sampled": [0.6] * 6, "mixed": [0.0, 0.6, 0.0, 0.6, 0.0, 1.0]}[mode]
+    params = [SamplingParams(t) for t in temps]
+    sampler = Sampler(torch.device(DEVICE), good.shape[1], seed=5)
+    with_bad = sampler.sample(bad.to(DEVICE), sampler.prepare(make_batch(params))).cpu()
+    without = sampler.sample(good.to(DEVICE), sampler.prepare(make_batch(params))).cpu()
+    assert with_bad[1:4].tolist() == [-1, -1, -1]
+    assert torch.equal(with_bad[[0, 5]], without[[0, 5]])
+    assert with_bad[4] >= 0

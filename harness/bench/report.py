@@ -167,12 +167,13 @@ def _profile_section(profiles: List[Dict[str, Any]]) -> str:
     md = ("## Where a decode step's time goes\n"
           "Per batch size (context 512): step_s is the step's period through the driver (overlap on: step N + 1 is "
           "built and launched while step N runs); replay_s the decode CUDA graph's GPU time alone (CUDA events, "
-          "median of 50 replays); kernels_per_step from torch.profiler over 10 replays (copies and memsets not "
-          "counted), per layer = kernels / layers (the embedding, final norm and LM head included); host_* the "
-          "driver's own timers by part, medians (build: batch and inputs; plan: attention page lists and FlashInfer "
-          "plan; sample_prep: Sampler.prepare; launch: forward_batch's host side and the token feedback; process: "
-          "reading the tokens a step late; wait: blocked on them). host_busy is the sum of the parts the host works "
-          "in; with overlap a step takes about max(host busy, GPU).\n\n"
+          "median of 50 replays of a step at context 512: the graph as one such step left it); kernels_per_step from "
+          "torch.profiler over 10 replays (copies and memsets not counted), per layer = kernels / layers (the "
+          "embedding, final norm and LM head included); host_* the driver's own timers by part, medians (build: "
+          "batch and inputs; plan: attention page lists and FlashInfer plan; sample_prep: Sampler.prepare; launch: "
+          "forward_batch's host side and the token feedback; process: reading the tokens a step late; wait: blocked "
+          "on them). host_busy is the sum of the parts the host works in; with overlap a step takes about max(host "
+          "busy, GPU).\n\n"
           f"{markdown_table(graphs, PROFILE_COLUMNS)}\n")
     cats = [{"model": p["model"], "batch_size": p["batch_size"], "replay_us": p["replay_s"] * 1e6,
              **{k: v for k, v in sorted(by_category(p["top_kernels"]).items(), key=lambda kv: -kv[1])}}

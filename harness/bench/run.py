@@ -25,8 +25,8 @@ from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
 from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
 from harness.bench.report import write_bench_report
 from harness.bench.gemm import gemm_rows
-from harness.bench.workloads import (SPECS, BenchSpec, engine_decode, engine_offline, engine_prefill, engine_ttft,
-                                     hf_decode, hf_offline, hf_prefill, median, offline_workload, spread)
+from harness.bench.workloads import (SPECS, BenchSpec, decode_at, engine_decode, engine_offline, engine_prefill,
+                                     engine_ttft, hf_decode, hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
                 row, records = _decode_rows(model, runner, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)
                 rows.append(row)
                 if on_gpu:
-                    profiles.append(_profile(model, runner, engine, bs, records))
+                    profiles.append(_profile(model, runner, engine, bs, records, driver, spec.decode_ctx, vocab))
             for ctx in tqdm(spec.latency_ctx, desc=f"{model} {runner} decode vs context"):
                 rows.append(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits, "decode_ctx")[0])
             for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill and time to first token"):
@@ -144,9 +144,14 @@ def _prefill_profile(model: str, engine: Engine, tokens: int, records: List) -> 
     return out
 
 
-def _profile(model: str, runner: str, engine: Engine, bs: int, records: List) -> Dict[str, Any]:
+def _profile(model: str, runner: str, engine: Engine, bs: int, records: List, driver: Driver, ctx: int,
+             vocab: int) -> Dict[str, Any]:
+    """The decode rows' host parts; the graph's replay profiled after one step at their average context."""
     host = host_parts(records)
-    replay = profile_replay(engine, bs) if runner == "engine" else None
+    replay = None
+    if runner == "engine":
+        decode_at(driver, bs, ctx, vocab)
+        replay = profile_replay(engine, bs)
     layers = engine.config.model_config.num_layers
     out = {"model": model, "runner": runner, "batch_size": bs, "step_s": host.pop("period"),
            **_host_columns(host),

@@ -120,6 +120,15 @@ def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> 
     return [s for s in driver.steps if s.phase == "decode" and s.batch_size == bs][1:]
 
 
+def decode_at(driver: Driver, bs: int, ctx: int, vocab: int) -> StepRecord:
+    """One decode step of bs requests over ctx tokens each, the driver's last: it leaves the bs decode graph's page
+    lists and lengths at context ctx, for the graph's replay to be profiled there (engine_decode's steps average ctx;
+    its last attends ctx + steps / 2). Returns the step's record."""
+    prompts = [random_ids(ctx - 1, vocab, seed=2000 + i) for i in range(bs)]
+    driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
+    return driver.steps[-1]
+
+
 @dataclass
 class OfflineRun:
     seconds: float
