@@ -36,7 +36,8 @@ from engine.utils.device import has_flashinfer, has_triton, make_device_tensor
 MIN_T = MIN_P = 1e-6
 INVALID_TOKEN = -1
 # from this many rows an all-greedy batch's argmax is sample_kernel.py's (one program a row); below, torch's max,
-# which splits a row over many programs
+# which splits a row over many programs (H200, Qwen3's vocabulary: 22.1 against 24.8 us at 64 rows, 22.0 against
+# 20.6 at 32)
 ARGMAX_KERNEL_ROWS = 64
 
 
