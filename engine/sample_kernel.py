@@ -8,14 +8,15 @@ reads its row once, then one block of it again, and writes nothing but its token
 logits / t in float32, the block's max m_b and the float64 sum of exp(y - m_b), both held in registers, and whether
 the row is valid; the blocks' masses are those sums times exp(m_b - max), their cumulative sum the row's CDF at block
 ends; (2) the block whose cumulative mass first exceeds u x total, and in it the first id whose cumulative mass does
-(searchsorted's right=True: an id of zero mass is never drawn). An online softmax needs the max first and so a second
-pass; weights relative to each block's own max need none. The rule is sample.py's; the values differ from torch's by
-the order of float32 and float64 roundings only, so a draw differs only where u x total falls within those roundings
-of a CDF boundary. A row of logits with a NaN or without a finite maximum (sample.py's invalid row) gets -1.
-A program waits on its blocks' loads one after another, so fewer, wider blocks pay, and one program fits an SM (75
-registers a thread at 16 warps), so past 132 rows a second wave doubles the time: GPU us a call on the H200 over
-Qwen3's vocabulary at bs 1 / 64 / 128 / 160 / 256, 36.1 / 36.7 / 37.1 / 81.3 / 83.6 (three passes: 49.4 / 50.3 / - /
-73.9 / 86.3; README). The argmax walks a row the same way: 21.5-22.4 us up to 128 rows, 41.6 at 256.
+(searchsorted's right=True), never an id of zero mass, whatever the roundings. An online softmax needs the max
+first and so a second pass; weights relative to each block's own max need none. The rule is sample.py's; the values
+differ from torch's by the order of float32 and float64 roundings only, so a draw differs only where u x total falls
+within those roundings of a CDF boundary. A row of logits with a NaN or without a finite maximum (sample.py's invalid
+row) gets -1. A program waits on its blocks' loads one after another, so fewer, wider blocks pay, and one program
+fits an SM (75 registers a thread at 16 warps), so past 132 rows a second wave doubles the time: GPU us a call on the
+H200 over Qwen3's vocabulary at bs 1 / 64 / 128 / 160 / 256, 36.1 / 36.7 / 37.1 / 81.3 / 83.6 (three passes: 49.4 /
+50.3 / - / 73.9 / 86.3; README; both before the crossing id's guard against rounding, two more reductions over one
+block). The argmax walks a row the same way: 21.5-22.4 us up to 128 rows, 41.6 at 256.
 """
 
 from __future__ import annotations
@@ -80,15 +81,22 @@ def draw_kernel(x_ptr, stride, temps_ptr, u_ptr, out_ptr, V,
         scale = tl.exp(maxes - tl.max(maxes, 0)).to(tl.float64)
     mass = sums * scale
     cdf = tl.cumsum(mass, 0)
-    point = tl.load(u_ptr + row) * tl.sum(mass, 0)
+    # below the CDF's own last value (u < 1), so the crossing block has mass
+    point = tl.load(u_ptr + row) * tl.sum(tl.where(blocks == NB - 1, cdf, 0.0), 0)
     # (2) the crossing block, then the crossing id in it
     hit = tl.minimum(tl.sum((cdf <= point).to(tl.int32), 0), NB - 1)
     at_hit = blocks == hit
     before = tl.sum(tl.where(at_hit, cdf - mass, 0.0), 0)
     y, x = _block(x_row, hit * BLOCK, V, t, TEMPER, BLOCK)
     w = _weights(y, tl.sum(tl.where(at_hit, maxes, 0.0), 0), TEMPER).to(tl.float64)
-    inside = tl.sum((before + tl.cumsum(w, 0) * tl.sum(tl.where(at_hit, scale, 0.0), 0) <= point).to(tl.int32), 0)
-    token = tl.minimum(hit * BLOCK + inside, V - 1).to(tl.int64)
+    ids = tl.arange(0, BLOCK)
+    has_mass = w > 0
+    # the first id of mass whose cumulative mass exceeds the point; the block's scan sums in another order than its
+    # mass did, so where rounding leaves none (a point within a rounding of the block's end), its last id of mass
+    crossed = has_mass & (before + tl.cumsum(w, 0) * tl.sum(tl.where(at_hit, scale, 0.0), 0) > point)
+    first = tl.min(tl.where(crossed, ids, BLOCK), 0)
+    inside = tl.where(first < BLOCK, first, tl.max(tl.where(has_mass, ids, -1), 0))
+    token = tl.minimum(tl.maximum(hit * BLOCK + inside, 0), V - 1).to(tl.int64)
     if TEMPER:
         token = tl.where((bad == 0) & (finite > 0), token, -1)
     tl.store(out_ptr + row, token)

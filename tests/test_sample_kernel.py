@@ -10,6 +10,7 @@ against torch's, and both kernels' answer to a bad row (-1) against sample.py's 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -165,3 +166,24 @@ def test_sampler_on_this_device_gives_minus_one_for_bad_rows_only(mode):
     assert with_bad[1:4].tolist() == [-1, -1, -1]
     assert torch.equal(with_bad[[0, 5]], without[[0, 5]])
     assert with_bad[4] >= 0
+
+
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("edge", ["top", "bottom"])
+def test_a_point_at_either_end_of_the_mass_draws_an_id_of_mass(given, edge):
+    """u the largest double below 1 (or 0) on rows whose last (first) ids are masked: the block's scan sums in
+    another order than its mass did, and a point within a rounding of the block's end must still land on an id of
+    mass, never on a masked one (the kernel that counted the scan's ids at or below the point drew the last, masked
+    id on 25-28 of these 48 rows, from logits and from probabilities alike, in Triton's interpreter)."""
+    from engine.sample_kernel import draw
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(48, 8191, generator=gen) * 3
+    masked = slice(-50, None) if edge == "top" else slice(0, 50)
+    logits[:, masked] = float("-inf")
+    temps = torch.full((48,), 0.6)
+    u = torch.full((48,), float(np.nextafter(1.0, 0.0)) if edge == "top" else 0.0, dtype=torch.float64)
+    probs = torch.softmax((logits / temps.unsqueeze(1)).double(), -1)
+    got = (draw(probs.float().to(DEVICE), u.to(DEVICE)) if given else
+           draw(logits.to(DEVICE), u.to(DEVICE), temps.to(DEVICE))).cpu()
+    assert all(probs[row, k] > 0 for row, k in enumerate(got.tolist())), got
