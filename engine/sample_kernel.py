@@ -53,6 +53,14 @@ def _weights(y, m, TEMPER: tl.constexpr):
 
 
 @triton.jit
+def _bad_and_finite(x):
+    """The block's NaN or +inf ids and its finite ids, counted in one reduction (sample.py's invalid row: any of the
+    first, or none of the second)."""
+    flags = tl.sum(tl.where((x != x) | (x == float("inf")), NAN_OR_INF, (x > float("-inf")).to(tl.int32)), 0)
+    return flags // NAN_OR_INF, flags % NAN_OR_INF
+
+
+@triton.jit
 def draw_kernel(x_ptr, stride, temps_ptr, u_ptr, out_ptr, V,
                 TEMPER: tl.constexpr, NB: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -72,9 +80,9 @@ def draw_kernel(x_ptr, stride, temps_ptr, u_ptr, out_ptr, V,
         if TEMPER:
             m_b = tl.max(y, 0)
             maxes = tl.where(blocks == b, m_b, maxes)
-            flags = tl.sum(tl.where((x != x) | (x == float("inf")), NAN_OR_INF, (x > float("-inf")).to(tl.int32)), 0)
-            bad += flags // NAN_OR_INF
-            finite += flags % NAN_OR_INF
+            bad_b, finite_b = _bad_and_finite(x)
+            bad += bad_b
+            finite += finite_b
         sums = tl.where(blocks == b, tl.sum(_weights(y, m_b, TEMPER).to(tl.float64), 0), sums)
     scale = tl.full([NB_P2], 1.0, tl.float64)
     if TEMPER:  # a block's mass relative to the row's max
@@ -128,9 +136,9 @@ def argmax_kernel(x_ptr, stride, out_ptr, V, NB: tl.constexpr, BLOCK: tl.constex
     for b in range(0, NB):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        flags = tl.sum(tl.where((x != x) | (x == float("inf")), NAN_OR_INF, (x > float("-inf")).to(tl.int32)), 0)
-        bad += flags // NAN_OR_INF
-        finite += flags % NAN_OR_INF
+        bad_b, finite_b = _bad_and_finite(x)
+        bad += bad_b
+        finite += finite_b
         m, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
         best_id = tl.where(m > best, b * BLOCK + i, best_id)  # strictly: an earlier block keeps a tie
         best = tl.maximum(best, m)

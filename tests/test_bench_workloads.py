@@ -50,7 +50,6 @@ def test_the_profiled_replay_is_a_step_at_the_stated_context(bs, ctx):
         last = decode_at(driver, bs, ctx, eng.config.model_config.vocab_size)
     finally:
         eng.shutdown()
-    assert last is driver.steps[-1]
     assert (last.phase, last.batch_size, last.kv_tokens) == ("decode", bs, bs * ctx), last
 
 

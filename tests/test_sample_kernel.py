@@ -16,7 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core import SamplingParams
+from engine.sample import Sampler
 from engine.utils.device import has_triton
+from harness.sampling.run import make_batch
 
 pytestmark = [pytest.mark.skipif(not has_triton(), reason="needs Triton"), pytest.mark.devices]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,11 +151,6 @@ def test_tempered_draw_gives_minus_one_for_a_bad_row_and_leaves_the_others_alone
 def test_sampler_on_this_device_gives_minus_one_for_bad_rows_only(mode):
     """Sampler.sample on the device the tests run on (CUDA: the kernels above; the CPU: torch): a NaN, +inf or
     all -inf row gets -1, a row with a -inf id is drawn from, and the good rows get what they get without the bad."""
-    from engine.sample import Sampler
-    from harness.sampling.run import make_batch
-
-    from engine.core import SamplingParams
-
     gen = torch.Generator().manual_seed(1)
     good = torch.randn(6, 3000, generator=gen) * 3
     bad = good.clone()

@@ -1,17 +1,18 @@
 """python -m harness.bench.host_profile --model NAME [--device cuda]: where the host's time goes in prefill and decode
 steps through the driver, function by function.
 
-For each prefill length and decode batch size: the driver's own timers by part (harness/bench/profile.py's
-host_parts: build, plan, sample_prep, launch, process, wait, medians), the host functions a step calls (TIMED), each
-timed by a wrapper around it (us a step: all its calls' time over the run's steps; median us a call and calls a step;
-nested: a caller's time includes its callees'; a wrapper costs well under a microsecond, so these compare with the
-parts; read a function called more than once a step by its us a step: its calls may do different work, as the
-scheduler's, which admits on one call and releases on the next, and a median of those is neither), cProfile over a
-run of them (the Python functions, by own and by cumulative time: cProfile's own overhead inflates both, so compare
-within a table, not with the timers), torch.profiler's table of aten ops and CUDA runtime calls for the smallest prefill and batch (CUPTI's
-tracing slows cudaGraphLaunch several times over: read its row from cProfile's torch/cuda/graphs.py replay instead),
-and on CUDA the replayed graph's GPU time by kind of kernel. Host speed differs between machines of one kind by up to
-1.5x: compare two revisions in one run (`python -m harness bench --against`), or normalise by a part both share.
+For each prefill length and decode batch size: the driver's own timers by part (harness/bench/profile.py's host_parts:
+build, plan, sample_prep, launch, process, wait, medians), the host functions a step calls (TIMED), each timed by a
+wrapper around it (us a step: all its calls' time over the run's steps; median us a call and calls a step; nested: a
+caller's time includes its callees'; a wrapper costs well under a microsecond, so these compare with the parts; read a
+function called more than once a step by its us a step: its calls may do different work, as the scheduler's, which
+admits on one call and releases on the next, and a median of those is neither), cProfile over a run of them (the
+Python functions, by own and by cumulative time: cProfile's own overhead inflates both, so compare within a table, not
+with the timers), torch.profiler's table of aten ops and CUDA runtime calls for the smallest prefill and batch
+(CUPTI's tracing slows cudaGraphLaunch several times over: read its row from cProfile's torch/cuda/graphs.py replay
+instead), and on CUDA the replayed graph's GPU time by kind of kernel. Host speed differs between machines of one kind
+by up to 1.5x: compare two revisions in one run (`python -m harness bench --against`), or normalise by a part both
+share.
 Writes OUT/summary.json, OUT/cprofile_<step>.txt and OUT/torch_<step>.txt, and prints the timers.
 """
 
