@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
 
 import torch
 from tqdm import tqdm
@@ -60,9 +62,11 @@ class GraphRunner:
             return
         size = max(self.max_graph_bs, self.max_prefill_tokens)
         self.dummy_slot = int(get_global_ctx().page_table[dummy_req.table_idx, 0])
-        self.input_ids = torch.zeros(size, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int32, device=device)
-        self.out_loc = torch.full((size,), self.dummy_slot, dtype=torch.int64, device=device)
+        # The static inputs: the graph of size T reads ids [T] | positions [T] | slots [T] (int64) from the start of
+        # one int32 block (each part 16-byte aligned), so that one host-to-device copy of that layout (stage_inputs)
+        # fills all three, padding included. The graphs' layouts overlap: a step's inputs are written after the last
+        # replay that reads the previous step's (one stream).
+        self.block = torch.zeros(4 * _aligned(size), dtype=torch.int32, device=device)
         self.pad_positions = torch.arange(self.max_prefill_tokens, dtype=torch.int32, device=device)
         free_before = self._free_memory()
         # The prefill graphs first, largest first: the pool they size is reused by the smaller ones and by decode.
@@ -137,9 +141,7 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ use
     def can_use_cuda_graph(self, batch: Batch) -> bool:
-        if batch.is_prefill:
-            return batch.padded_tokens in self.prefill_graphs
-        return batch.is_decode and batch.padded_size in self.graphs
+        return self.replays(batch) > 0
 
     def pad_batch(self, batch: Batch) -> None:
         """Fill batch.padded_reqs (a decode batch padded with the dummy request up to a captured size) and
@@ -173,28 +175,99 @@ class GraphRunner:
         self.graphs[bs].replay()
         return self.logits[bs]
 
+    def static_inputs(self, size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The views the graph of this size reads: input ids, positions (int32) and KV slots (int64)."""
+        return _input_views(self.block, size)
+
+    def replays(self, batch: Batch) -> int:
+        """The size of the graph a padded batch replays (its bucket or padded batch size), 0 when it runs eagerly."""
+        if batch.is_prefill:
+            return batch.padded_tokens if batch.padded_tokens in self.prefill_graphs else 0
+        return batch.padded_size if batch.is_decode and batch.padded_size in self.graphs else 0
+
+    def host_inputs(self, batch: Batch, n: int, pin_memory: bool) -> Tuple[torch.Tensor, np.ndarray, np.ndarray,
+                                                                          np.ndarray]:
+        """A host int32 buffer for a batch of n tokens laid out as the device inputs it is copied to (ids |
+        positions | slots as int64), and numpy views of its first n ids, positions and slots for the caller to
+        fill. For a batch that replays a graph of size T > n the layout is the graph's, its padding filled here:
+        id 0, positions 0, 1, ... (prefill: the padding entry's sequence) or 0 (decode), the dummy slot."""
+        size = self.replays(batch) or n
+        host = torch.empty(4 * _aligned(size), dtype=torch.int32, pin_memory=pin_memory)
+        ids, pos, slots = (view.numpy() for view in _input_views(host, size))
+        if size > n:
+            ids[n:] = 0
+            pos[n:] = np.arange(size - n) if batch.is_prefill else 0
+            slots[n:] = self.dummy_slot
+        return host, ids[:n], pos[:n], slots[:n]
+
+    def stage_inputs(self, batch: Batch, host: torch.Tensor, n: int) -> None:
+        """host_inputs' buffer to the device in one copy, straight into the static inputs of the graph the batch
+        replays (replay then copies nothing), else into a new tensor; batch.input_ids / positions / out_loc are
+        set to its first n rows."""
+        size = self.replays(batch)
+        if size:
+            self.block[: host.shape[0]].copy_(host, non_blocking=True)
+            dev = self.block
+        else:
+            size, dev = n, host.to(self.device, non_blocking=True)
+        ids, pos, slots = _input_views(dev, size)
+        batch.input_ids, batch.positions, batch.out_loc = ids[:n], pos[:n], slots[:n]
+
+    def gather_decode_inputs(self, batch: Batch, flat: torch.Tensor, positions: torch.Tensor,
+                             token_pool: torch.Tensor) -> None:
+        """A decode batch's inputs from the device: its ids from token_pool and its KV slots from the page table at
+        the flat indices (row * width + position) of each request's last position, and its positions. For a graph
+        batch one kernel writes them into the graph's static inputs, padding included; else two gathers."""
+        page_table = get_global_ctx().page_table
+        size = self.replays(batch)
+        if size:  # (graphs exist only on CUDA, where Triton is)
+            from engine.graph_inputs import gather_decode_inputs
+
+            ids, pos, slots = self.static_inputs(size)
+            gather_decode_inputs(flat, positions, token_pool, page_table, ids, pos, slots, self.dummy_slot)
+            n = flat.shape[0]
+            batch.input_ids, batch.positions, batch.out_loc = ids[:n], pos[:n], slots[:n]
+            return
+        batch.input_ids = token_pool.view(-1).index_select(0, flat)
+        batch.out_loc = page_table.view(-1).index_select(0, flat)  # int32 (converted when used)
+        batch.positions = positions
+
     def _load(self, batch: Batch, n: int, size: int) -> None:
         """The batch's n tokens into the static inputs, padding up to size: id 0, the dummy slot, and positions 0
         (decode: each padding request holds one token) or 0, 1, ... (prefill: the padding entry's own sequence).
+        Nothing to do where stage_inputs or gather_decode_inputs already wrote them there, padding included.
         During capture (n = 0) the batch is pointed at the static buffers."""
-        if n:
-            self.input_ids[:n].copy_(batch.input_ids)
-            self.positions[:n].copy_(batch.positions)
-            self.out_loc[:n].copy_(batch.out_loc)
+        input_ids, positions, out_loc = self.static_inputs(size)
+        if n == 0:
+            batch.input_ids, batch.positions, batch.out_loc = input_ids, positions, out_loc
+        elif batch.input_ids.data_ptr() == input_ids.data_ptr():
+            return
         else:
-            batch.input_ids, batch.positions = self.input_ids[:size], self.positions[:size]
-            batch.out_loc = self.out_loc[:size]
+            input_ids[:n].copy_(batch.input_ids)
+            positions[:n].copy_(batch.positions)
+            out_loc[:n].copy_(batch.out_loc)
         if n == size:  # nothing to pad (each op below costs host time even on an empty slice)
             return
-        self.input_ids[n:size].zero_()
+        input_ids[n:].zero_()
         if batch.is_prefill:
-            self.positions[n:size].copy_(self.pad_positions[: size - n])
+            positions[n:].copy_(self.pad_positions[: size - n])
         else:
-            self.positions[n:size].zero_()
-        self.out_loc[n:size].fill_(self.dummy_slot)
+            positions[n:].zero_()
+        out_loc[n:].fill_(self.dummy_slot)
 
     def destroy(self) -> None:
         self.graphs.clear()
         self.logits.clear()
         self.prefill_graphs.clear()
         self.hidden.clear()
+
+
+def _aligned(size: int) -> int:
+    """size rounded up to 4 int32s: each part of the static inputs starts 16-byte aligned."""
+    return -(-size // 4) * 4
+
+
+def _input_views(block: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [size] | positions [size] | slots [size] int64 in an int32 block, each part 16-byte aligned."""
+    r = _aligned(size)
+    return block[:size], block[r: r + size], block[2 * r: 2 * r + 2 * size].view(torch.int64)

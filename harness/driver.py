@@ -337,18 +337,14 @@ class Driver:
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
                       ("all" if phase == "prefill" and self.prompt_logits else "last"))
         self.engine.graph_runner.pad_batch(batch)
-        feed = None
-        if phase == "decode":  # its members are its requests, in order
-            feed = self._decode_inputs(batch)
-        else:
-            self._prefill_inputs(batch)
         record.host["build"] = time.perf_counter() - t0
-        return _Step(phase, members, spans, record, batch, feed)
+        return _Step(phase, members, spans, record, batch)
 
     def _decode_inputs(self, batch: Batch) -> torch.Tensor:
         """The inputs of the tokens sampled last step, gathered on the device at each request's (row, last
         position): flat indices into the token pool and the page table, and the positions, in one pinned buffer and
-        one copy. Returns where this step's sampled tokens go (the next positions' flat indices)."""
+        one copy; the engine's graph runner gathers them (into the graph's static inputs when the batch replays
+        one). Returns where this step's sampled tokens go (the next positions' flat indices)."""
         n = batch.size
         host = torch.empty(5 * n, dtype=torch.int32, pin_memory=pin(self.engine.device))
         a = host.numpy()
@@ -357,10 +353,8 @@ class Driver:
         feed[:] = flat + 1
         pos[:] = flat % self.token_pool.shape[1]
         dev = host.to(self.engine.device, non_blocking=True)
-        flat_dev = dev[: 2 * n].view(torch.int64)
-        batch.input_ids = self.token_pool.view(-1).index_select(0, flat_dev)
-        batch.out_loc = self.engine.page_table.view(-1).index_select(0, flat_dev)  # int32 (converted when used)
-        batch.positions = dev[4 * n:]
+        self.engine.graph_runner.gather_decode_inputs(batch, dev[: 2 * n].view(torch.int64), dev[4 * n:],
+                                                      self.token_pool)
         return dev[2 * n: 4 * n].view(torch.int64)
 
     def _last_flat(self, reqs: List[Req]) -> np.ndarray:
@@ -370,12 +364,11 @@ class Driver:
         return np.fromiter((r.table_idx * width + r.device_len - 1 for r in reqs), np.int64, len(reqs))
 
     def _prefill_inputs(self, batch: Batch) -> None:
-        """Ids and positions (int32) and KV slots (int64) of the batch's new tokens, in one pinned buffer and one
-        copy: the int32 rows first, the slots as int64 pairs after them."""
+        """Ids, positions and KV slots of the batch's new tokens, in one pinned buffer laid out as the device inputs
+        they go to (the static inputs of the graph the batch replays, padded to its bucket) and one copy."""
         n = sum(r.extend_len for r in batch.reqs)
-        host = torch.empty(4 * n, dtype=torch.int32, pin_memory=pin(self.engine.device))
-        a = host.numpy()
-        ids, pos, slots = a[:n], a[n: 2 * n], a[2 * n:].view(np.int64)
+        runner = self.engine.graph_runner
+        host, ids, pos, slots = runner.host_inputs(batch, n, pin(self.engine.device))
         start = 0
         for r in batch.reqs:
             span = np.arange(r.cached_len, r.device_len)
@@ -384,8 +377,7 @@ class Driver:
             pos[start:end] = span
             slots[start:end] = self._slots(r.table_idx, span)
             start = end
-        dev = host.to(self.engine.device, non_blocking=True)
-        batch.input_ids, batch.positions, batch.out_loc = dev[:n], dev[n: 2 * n], dev[2 * n:].view(torch.int64)
+        runner.stage_inputs(batch, host, n)
 
     def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
         pages = self.row_pages[row]
@@ -394,6 +386,15 @@ class Driver:
     # ---------------------------------------------------------------------------------------- launch / process
     def _launch(self, step: _Step) -> None:
         eng, batch, host = self.engine, step.batch, step.record.host
+        # The step's inputs go to the device here, not when the step is built: a graph batch's go straight into the
+        # graph's static inputs, which a step built before the previous one launched (an extend after its prefix
+        # step) would overwrite under the previous one's replay. Counted as building.
+        t = time.perf_counter()
+        if step.phase == "decode":  # its members are its requests, in order
+            step.feed = self._decode_inputs(batch)
+        else:
+            self._prefill_inputs(batch)
+        host["build"] += time.perf_counter() - t
         t = time.perf_counter()
         eng.attn_backend.prepare_metadata(batch)
         host["plan"] = time.perf_counter() - t

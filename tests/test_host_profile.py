@@ -13,8 +13,8 @@ from harness.driver import Driver
 
 # (caller, callee) among the timed functions: every call of the callee happens inside one of the caller
 NESTED = [("Driver._schedule", "Driver._admit"), ("Driver._schedule", "Driver._make_step"),
-          ("Driver._schedule", "Driver._release"), ("Driver._make_step", "Driver._prefill_inputs"),
-          ("Driver._make_step", "Driver._decode_inputs"), ("Driver._launch", "Engine.forward_batch"),
+          ("Driver._schedule", "Driver._release"), ("Driver._launch", "Driver._prefill_inputs"),
+          ("Driver._launch", "Driver._decode_inputs"), ("Driver._launch", "Engine.forward_batch"),
           ("Driver._launch", "Driver._feed_back"), ("Driver._launch", "Sampler.prepare"),
           ("Engine.forward_batch", "Sampler.sample"), ("Driver._release", "PageAllocator.free")]
 

@@ -59,3 +59,22 @@ def test_page_ids_compiles_once_for_any_entry_count():
         assert torch.equal(out.cpu(), table[lists[3, :n].long(), :3].flatten().cpu())
         counts.append(_variants(page_ids_kernel))
     assert counts[-1] == counts[0], counts
+
+
+def test_decode_input_gather_compiles_once_for_any_count_and_graph_size():
+    from engine.graph import _input_views
+    from engine.graph_inputs import decode_inputs_kernel, gather_decode_inputs
+
+    dev = torch.device("cuda")
+    pool = torch.arange(4 * 64, dtype=torch.int32, device=dev).view(4, 64)
+    block = torch.zeros(4 * 300, dtype=torch.int32, device=dev)
+    counts = []
+    for n, size in ((1, 1), (2, 2), (3, 4), (5, 8), (16, 16), (17, 24), (200, 256)):
+        host = torch.zeros(5 * n, dtype=torch.int32, device=dev)  # the driver's buffer: flat, feed, positions
+        flat, positions = host[: 2 * n].view(torch.int64), host[4 * n:]
+        flat.copy_(torch.arange(n, device=dev) % pool.numel())
+        ids, pos, slots = _input_views(block, size)  # the graph's static inputs, where they start for this size
+        gather_decode_inputs(flat, positions, pool, pool, ids, pos, slots, 0)
+        assert torch.equal(ids[:n].cpu(), pool.view(-1)[flat].cpu())
+        counts.append(_variants(decode_inputs_kernel))
+    assert counts[-1] == counts[0], counts
