@@ -12,11 +12,13 @@ ends; (2) the block whose cumulative mass first exceeds u x total, and in it the
 first and so a second pass; weights relative to each block's own max need none. The rule is sample.py's; the values
 differ from torch's by the order of float32 and float64 roundings only, so a draw differs only where u x total falls
 within those roundings of a CDF boundary. A row of logits with a NaN or without a finite maximum (sample.py's invalid
-row) gets -1. A program waits on its blocks' loads one after another, so fewer, wider blocks pay, and one program
-fits an SM (75 registers a thread at 16 warps), so past 132 rows a second wave doubles the time: GPU us a call on the
-H200 over Qwen3's vocabulary at bs 1 / 64 / 128 / 160 / 256, 36.1 / 36.7 / 37.1 / 81.3 / 83.6 (three passes: 49.4 /
-50.3 / - / 73.9 / 86.3; README; both before the crossing id's guard against rounding, two more reductions over one
-block). The argmax walks a row the same way: 21.5-22.4 us up to 128 rows, 41.6 at 256.
+row) gets -1. A program waits on its blocks' loads one after another, so fewer, wider blocks pay. At 16 warps the
+draw takes 82 registers a thread, so one program fits an SM and past 132 rows a second wave doubles the time; capped
+at 64 (DRAW_MAX_REGISTERS: 6 spilled), two fit: GPU us a call in a CUDA graph on the H200 over Qwen3's vocabulary at bs
+1 / 64 / 128 / 133 / 160 / 256, 36.0 / 36.8 / 37.0 / 71.8 / 81.7 / 84.1 uncapped, 37.5 / 37.6 / 38.0 / 58.1 / 60.7
+/ 62.2 capped, the same tokens (a register cap changes no arithmetic). The argmax (47 registers, two programs an SM
+already) walks a row the same way: 22.1-22.7 us up to 132 rows, 36.5 at 133, 42.1 at 256; a program's row is bound
+by its SM's issue rate more than by loads, so two rows an SM take nearly twice one's time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import triton.language as tl
 
 BLOCK = 8192
 NUM_WARPS = 16
+# the draw's registers a thread: two programs an SM (a row each) instead of one, past 132 rows on the H200
+DRAW_MAX_REGISTERS = 64
 # in a block's flag sum, what a NaN or +inf id adds (a finite id adds 1, at most BLOCK of them)
 NAN_OR_INF = tl.constexpr(1 << 16)
 
@@ -120,7 +124,8 @@ def draw(x: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor | N
     out = torch.empty(bs, dtype=torch.int64, device=x.device)
     temper = temperatures is not None
     draw_kernel[(bs,)](x, x.stride(0), temperatures if temper else uniforms, uniforms, out, vocab,
-                       TEMPER=temper, NB=nb, NB_P2=triton.next_power_of_2(nb), BLOCK=BLOCK, num_warps=NUM_WARPS)
+                       TEMPER=temper, NB=nb, NB_P2=triton.next_power_of_2(nb), BLOCK=BLOCK, num_warps=NUM_WARPS,
+                       maxnreg=DRAW_MAX_REGISTERS)
     return out
 
 
