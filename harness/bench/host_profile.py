@@ -124,7 +124,7 @@ def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[
         device=device, max_running_req=max(sizes), use_dummy_weight=not zoo.MODELS[model].has_weights,
         max_seq_len_override=max(max(lengths), ctx + 2 * repeats + 8) + 64))
     vocab = engine.config.model_config.vocab_size
-    driver = Driver(engine, max_prefill_tokens=8192)
+    driver = Driver(engine)
     out.mkdir(parents=True, exist_ok=True)
     summary: Dict[str, Any] = {"model": model, "device": device}
 
