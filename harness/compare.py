@@ -19,6 +19,13 @@ class PositionStat:
     top_lp: np.ndarray  # and their log-probabilities
 
 
+# Mixture-of-experts models: the router margin (engine.moe.router_margin, relative to the row's largest |router logit|)
+# at or below which a routing choice is a near tie. fp32: the engine's logits agree with HF's to 1e-5 of their scale
+# (tests/test_engine.py's bound); bf16 / fp16: two units in the last place of the largest logit (eps 2^-7 / 2^-10): one
+# for the logits' own rounding, one for the router input's. On tiny-qwen3-moe's golden positions 18% of the engine's
+# fp32 margins lie under the bf16 one, 0 under the fp32 one (tests/test_moe.py)
+ROUTER_TIE = {"float32": 1e-5, "bfloat16": 2.0 ** -6, "float16": 2.0 ** -9}
+
 
 def compare_row(engine_lp: torch.Tensor, ids: np.ndarray, ref_lp: np.ndarray) -> PositionStat:
     """engine_lp [vocab] float32 log-probabilities against the golden's top-K row."""

@@ -16,14 +16,15 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from engine.moe.base import router_margin
 from harness import UserError, check_device, zoo
-from harness.compare import compare_row
+from harness.compare import ROUTER_TIE, compare_row
 from harness.report import provenance
 
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
@@ -119,9 +120,13 @@ def hf_model(model: str, device: str, dtype: torch.dtype, attn: str = "sdpa") ->
 SPREAD_DEFINITION = ("per position of prompt + continuation, HF eager attention against HF sdpa on sdpa's top-K ids "
                      "(the measure parity applies to the engine): max |logprob difference| ('err') and KL(sdpa || "
                      "eager) with a rest bucket ('kl'); their distribution over every position of every prompt")
+ROUTED_DEFINITION = ("mixture-of-experts models: the same distribution over the positions where neither sdpa nor eager "
+                     "has a router near tie (a margin <= router_tie in any MoE layer, engine.moe.router_margin, "
+                     "teacher-forced on the golden's sequences); hf_router_near_ties lists sdpa's (the golden's) near "
+                     "ties per prompt, by position")
 
 
-def spread_summary(errs: List[float], kls: List[float]) -> Dict[str, Any]:
+def spread_summary(errs: Sequence[float], kls: Sequence[float]) -> Dict[str, Any]:
     """Distribution of per-position errors and KLs: the statistics parity's half-precision gate compares."""
     e, k = np.asarray(errs, dtype=np.float64), np.asarray(kls, dtype=np.float64)
     return {"positions": int(e.size), **{f"{name}_{q}": float(np.quantile(x, v)) for name, x in (("err", e), ("kl", k))
@@ -130,20 +135,48 @@ def spread_summary(errs: List[float], kls: List[float]) -> Dict[str, Any]:
             "kl_mean": float(k.mean())}
 
 
-def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str) -> Dict[str, Any]:
+def _router_margins(out: Any, n: int, top_k: int) -> np.ndarray:
+    """[n]: each position's smallest router margin over the MoE layers of an HF forward run with
+    output_router_logits."""
+    return torch.stack([router_margin(r.reshape(n, -1), top_k) for r in out.router_logits]).amin(0).cpu().numpy()
+
+
+@dataclass
+class Spread:
+    """HF against itself. stats: over every position; for MoE models routed: over the positions where neither run
+    has a router near tie, and near_ties: sdpa's near-tie positions per sequence."""
+    stats: Dict[str, Any]
+    routed: Dict[str, Any] | None = None
+    near_ties: List[List[int]] | None = None
+
+
+def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str, router_tie: float | None = None) -> Spread:
     """HF against itself: every sequence through sdpa and through eager attention, compared position by position
-    on sdpa's top-K ids with the engine's own measure (harness.compare.compare_row)."""
-    errs, kls = [], []
+    on sdpa's top-K ids with the engine's own measure (harness.compare.compare_row). router_tie (MoE models): the
+    near-tie margin of the dtype, for the routed statistics."""
+    errs, kls, tied, near_ties = [], [], [], []
+    kw = {} if router_tie is None else {"output_router_logits": True}
     for seq in sequences:
         full = torch.tensor([seq], device=device)
-        a = torch.log_softmax(sdpa(full).logits[0].float(), -1).cpu()
-        b = torch.log_softmax(eager(full).logits[0].float(), -1).cpu()
+        oa, ob = sdpa(full, **kw), eager(full, **kw)
+        a = torch.log_softmax(oa.logits[0].float(), -1).cpu()
+        b = torch.log_softmax(ob.logits[0].float(), -1).cpu()
         ids = a.topk(TOP_K, -1).indices
         for pos in range(len(seq)):
             st = compare_row(b[pos], ids[pos].numpy(), a[pos, ids[pos]].numpy())
             errs.append(st.err)
             kls.append(st.kl)
-    return spread_summary(errs, kls)
+        if router_tie is not None:
+            k = sdpa.config.num_experts_per_tok
+            ta, tb = (_router_margins(o, len(seq), k) <= router_tie for o in (oa, ob))
+            tied += list(ta | tb)
+            near_ties.append([int(p) for p in np.nonzero(ta)[0]])
+    if router_tie is None:
+        return Spread(spread_summary(errs, kls))
+    keep = ~np.asarray(tied)
+    routed = dict(spread_summary(np.asarray(errs)[keep], np.asarray(kls)[keep]), router_tie=router_tie,
+                  near_tie_positions=int((~keep).sum()))
+    return Spread(spread_summary(errs, kls), routed, near_ties)
 
 
 def _sequences(prompts: List[PromptGolden]) -> List[List[int]]:
@@ -151,9 +184,18 @@ def _sequences(prompts: List[PromptGolden]) -> List[List[int]]:
     return [list(map(int, p.prompt_ids)) + list(map(int, p.tokens)) for p in prompts]
 
 
-def _spread_provenance(stats: Dict[str, Any]) -> Dict[str, Any]:
-    return {"hf_spread_max_abs_logprob": stats["err_max"], "hf_spread": stats,
+def _spread_provenance(spread: Spread, names: List[str]) -> Dict[str, Any]:
+    prov = {"hf_spread_max_abs_logprob": spread.stats["err_max"], "hf_spread": spread.stats,
             "hf_spread_definition": SPREAD_DEFINITION}
+    if spread.routed is not None:
+        prov.update(hf_spread_routed=spread.routed, hf_router_near_ties=dict(zip(names, spread.near_ties)),
+                    hf_spread_routed_definition=ROUTED_DEFINITION)
+    return prov
+
+
+def _router_tie(hf: Any, dtype: torch.dtype) -> float | None:
+    """The near-tie margin of a mixture-of-experts model in this dtype, None for a dense one."""
+    return ROUTER_TIE[str(dtype).removeprefix("torch.")] if hasattr(hf.config, "num_experts_per_tok") else None
 
 
 @torch.inference_mode()
@@ -179,11 +221,12 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
         decode_ids, decode_lp = _topk(torch.stack(res.logits)[:, 0], TOP_K)
         out.append(PromptGolden(p["name"], np.array(pid, dtype=np.int32), tokens.int().cpu().numpy(),
                                 prefill_ids, prefill_lp, decode_ids, decode_lp))
-    stats = hf_spread(hf, hf_eager, _sequences(out), device)
+    spread = hf_spread(hf, hf_eager, _sequences(out), device, _router_tie(hf, dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     experts = getattr(hf.config, "_experts_implementation", None) if hasattr(hf.config, "num_experts_per_tok") else None
     prov = provenance(device, **expected_identity(model, device.split(":")[0], dtype_name),
-                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", **_spread_provenance(stats),
+                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa",
+                      **_spread_provenance(spread, [p.name for p in out]),
                       **({"experts_implementation": experts} if experts else {}))
     return GoldenSet(out, prov)
 
@@ -195,12 +238,13 @@ def refresh_spread(model: str, device: str, dtype: torch.dtype, root: Path = GOL
     dtype_name = str(dtype).removeprefix("torch.")
     gs = load_checked(model, device.split(":")[0], dtype_name, root)
     hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
-    stats = hf_spread(hf, hf_eager, _sequences(gs.prompts), device)
+    spread = hf_spread(hf, hf_eager, _sequences(gs.prompts), device, _router_tie(hf, dtype))
     folder = golden_dir(model, device.split(":")[0], dtype_name, root)
-    prov = dict(gs.provenance, **_spread_provenance(stats), hf_spread_measured=provenance(device)["date"])
-    prov["prompt_names"] = [p.name for p in gs.prompts]
+    names = [p.name for p in gs.prompts]
+    prov = dict(gs.provenance, **_spread_provenance(spread, names), hf_spread_measured=provenance(device)["date"])
+    prov["prompt_names"] = names
     (folder / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
-    return stats
+    return spread
 
 
 # ------------------------------------------------------------------------------------------------ file I/O
@@ -281,10 +325,12 @@ def _cmd(args: argparse.Namespace) -> int:
     for model in models:
         folder = golden_dir(model, args.device, args.dtype)
         if args.refresh_spread:
-            stats = refresh_spread(model, args.device, dtype)
-            print(f"{model}: HF spread over {stats['positions']} positions: err p99 {stats['err_p99']:.3g}, max "
-                  f"{stats['err_max']:.3g}; KL mean {stats['kl_mean']:.3g}, p99 {stats['kl_p99']:.3g} "
-                  f"(written to {folder / 'provenance.json'})")
+            spread = refresh_spread(model, args.device, dtype)
+            for label, st in (("", spread.stats), (" (no router near tie)", spread.routed)):
+                if st is not None:
+                    print(f"{model}: HF spread over {st['positions']} positions{label}: err p99 {st['err_p99']:.3g}, "
+                          f"max {st['err_max']:.3g}; KL mean {st['kl_mean']:.3g}, p99 {st['kl_p99']:.3g}")
+            print(f"  written to {folder / 'provenance.json'}")
             continue
         fresh = make_golden(model, args.device, dtype)
         if args.check:

@@ -1,5 +1,6 @@
 """The bf16 parity gate on the GPU has teeth: faults of numerics HF does not have, of lengths and of scales, each
-planted on one engine path, fail `harness parity --device cuda`; HF's own sdpa-vs-eager difference passes it."""
+planted on one engine path, fail `harness parity --device cuda`, on a dense model and on the mixture-of-experts one
+(whose gate leaves router near ties out); HF's own sdpa-vs-eager difference passes it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.core import get_global_ctx
 from engine.layers import qk_rope_store
 from harness import golden as G
-from harness.compare import compare_row
+from harness.compare import ROUTER_TIE, compare_row
 from harness.parity.gate import dist_limits, evaluate, golden_row, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
-from harness.parity.run import run_parity
+from harness.parity.run import model_is_moe, run_parity
 
 pytestmark = pytest.mark.cuda
-MODEL = "tiny-qwen3"
+MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
 
 
 def _extend_misses_its_newest_key(original: Callable) -> Callable:
@@ -73,33 +74,44 @@ FAULTS: Dict[str, tuple] = {  # name -> (owner, attribute, wrapper, the one path
 }
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_planted_bf16_fault_fails_parity_on_its_path(monkeypatch, fault):
+def test_planted_bf16_fault_fails_parity_on_its_path(monkeypatch, fault, model):
     cls, attr, wrap, path = FAULTS[fault]
-    assert run_parity(MODEL, "cuda", "bfloat16", paths=[path]).passed  # the path passes without the fault
+    assert run_parity(model, "cuda", "bfloat16", paths=[path]).passed  # the path passes without the fault
     monkeypatch.setattr(cls, attr, wrap(getattr(cls, attr)))
-    result = run_parity(MODEL, "cuda", "bfloat16", paths=[path])
+    result = run_parity(model, "cuda", "bfloat16", paths=[path])
     caught = [p.reason for p in result.prompts if not p.passed][:2] + [p.reason for p in result.paths if not p.passed]
     print(f"{fault} on {path}: {'caught: ' + '; '.join(caught) if caught else 'NOT caught'}; "
           f"path stats {result.paths[0].stats} limits {result.paths[0].limits}")
     assert not result.passed
 
 
-def test_hf_eager_against_the_sdpa_golden_passes_the_gate():
-    """HF's own attention switch, teacher-forced on the golden's sequences and judged like an engine path."""
+@pytest.mark.parametrize("model", MODELS)
+def test_hf_eager_against_the_sdpa_golden_passes_the_gate(model):
+    """HF's own attention switch, teacher-forced on the golden's sequences and judged like an engine path (with
+    eager's own router margins on the MoE model)."""
+    from engine.moe import router_margin
     from harness.golden import hf_model
 
-    gs = G.load_checked(MODEL, "cuda", "bfloat16")
-    eager = hf_model(MODEL, "cuda", torch.bfloat16, attn="eager")
-    stats, outputs = {}, []
+    gs = G.load_checked(model, "cuda", "bfloat16")
+    eager = hf_model(model, "cuda", torch.bfloat16, attn="eager")
+    moe = model_is_moe(model)
+    stats, outputs, margins = {}, [], {}
     with torch.inference_mode():
         for uid, pg in enumerate(gs.prompts):
             seq = torch.from_numpy(np.concatenate([pg.prompt_ids, pg.tokens[:-1]]).astype(np.int64))[None].cuda()
-            lp = torch.log_softmax(eager(seq).logits[0].float(), -1).cpu()
+            out = eager(seq, **({"output_router_logits": True} if moe else {}))
+            lp = torch.log_softmax(out.logits[0].float(), -1).cpu()
             stats[uid] = {i: compare_row(lp[i], *golden_row(pg, i)) for i in range(lp.shape[0])}
             outputs.append([])
-    tol, limits = tolerance(gs, "bfloat16"), dist_limits(gs, "bfloat16")
+            if moe:
+                k, n = eager.config.num_experts_per_tok, lp.shape[0]
+                m = torch.stack([router_margin(r.reshape(n, -1), k) for r in out.router_logits]).amin(0)
+                margins[uid] = dict(enumerate(m.tolist()))
+    tol, limits = tolerance(gs, "bfloat16", moe), dist_limits(gs, "bfloat16", moe)
     path = next(p for p in PATHS if p.name == "batch")  # teacher-forced, every position compared
-    prompts, result = evaluate(path, gs, stats, outputs, tol, tie_tolerance(tol, limits), limits)
-    print(f"HF eager vs sdpa golden: {result.stats} limits {result.limits}")
+    prompts, result = evaluate(path, gs, stats, outputs, tol, tie_tolerance(tol, limits), limits,
+                               margins if moe else None, ROUTER_TIE["bfloat16"])
+    print(f"HF eager vs sdpa golden: {result.stats} limits {result.limits}, {result.left_out} near ties left out")
     assert result.passed and all(p.passed for p in prompts), [p.reason for p in prompts if not p.passed]

@@ -19,8 +19,10 @@ from engine.moe.fused import FusedMoE
 from engine.moe.torch_backend import TorchMoE
 from harness import golden as G
 from harness import zoo
+from harness.compare import ROUTER_TIE, PositionStat
+from harness.parity.gate import dist_limits, evaluate, tie_tolerance, tolerance
+from harness.parity.paths import PATHS
 from harness.driver import Driver
-from harness.parity.gate import ROUTER_TIE
 from harness.parity.report import write_report
 from harness.parity.run import run_parity
 
@@ -131,6 +133,74 @@ def test_router_near_ties_are_counted_and_reported_per_path(monkeypatch, tmp_pat
     assert result.passed and result.router_tie == 0.05
     assert result.paths[0].router_near_ties == sum(p.router_near_ties for p in result.prompts) > 0
     assert "router_near_ties" in text
+
+
+def _half_gate_inputs(moved: int = 0):
+    """The bf16 golden of the MoE model judged on synthetic engine rows: KL 1e-3 and err 0.05 everywhere but at the
+    golden's router near ties (KL 5, err 10: flipped experts) and at `moved` positions that are no near tie (the same
+    damage). Returns (path, golden, stats, outputs, golden's near ties per prompt)."""
+    gs = G.load(G.golden_dir(MODEL, "cuda", "bfloat16"))
+    ties = {uid: set(gs.provenance["hf_router_near_ties"][pg.name]) for uid, pg in enumerate(gs.prompts)}
+    stats = {}
+    for uid, pg in enumerate(gs.prompts):
+        n, rows = len(pg.prompt_ids), len(pg.prompt_ids) + len(pg.tokens) - 1
+        clean = [pos for pos in range(rows) if pos not in ties[uid]]
+        bad = ties[uid] | set(clean[:moved])
+        stats[uid] = {pos: PositionStat(10.0 if pos in bad else 0.05, 5.0 if pos in bad else 1e-3, 0.0,
+                                        int(pg.tokens[pos - n + 1]) if pos >= n - 1 else 0, np.zeros(1), np.zeros(1))
+                      for pos in range(rows)}
+    return next(p for p in PATHS if p.name == "batch"), gs, stats, [[] for _ in gs.prompts], ties
+
+
+def test_half_gate_leaves_router_near_ties_out_and_keeps_its_teeth():
+    """The bf16 gate of a MoE model: heavy damage at the golden's router near ties passes (flipped experts are
+    luck, not a bug) where the all-position gate fails it; the same damage on 2% of the other positions fails;
+    margins that make every position a near tie fail instead of emptying the gate."""
+    path, gs, stats, outputs, ties = _half_gate_inputs()
+    tol, limits = tolerance(gs, "bfloat16", moe=True), dist_limits(gs, "bfloat16", moe=True)
+    no_tie = {uid: {pos: 1.0 for pos in rows} for uid, rows in stats.items()}
+    prompts, result = evaluate(path, gs, stats, outputs, tol, tie_tolerance(tol, limits), limits, no_tie,
+                               ROUTER_TIE["bfloat16"])
+    left = sum(len([p for p in t if p in stats[uid]]) for uid, t in ties.items())
+    print(f"{left} near ties left out; limits {limits}; stats {result.stats}")
+    assert result.passed and all(p.passed for p in prompts) and result.left_out == left > 0
+    assert result.positions + left == sum(len(rows) for rows in stats.values())
+    dense_limits = dist_limits(gs, "bfloat16")  # every position, the limits from HF's spread over every position
+    assert not evaluate(path, gs, stats, outputs, tol, None, dense_limits)[1].passed
+
+    moved = max(1, int(0.02 * result.positions / len(stats)))
+    path, gs, stats, outputs, _ = _half_gate_inputs(moved)
+    _, result = evaluate(path, gs, stats, outputs, tol, None, limits, no_tie, ROUTER_TIE["bfloat16"])
+    assert not result.passed and "kl_p99" in result.reason
+
+    path, gs, stats, outputs, _ = _half_gate_inputs()
+    all_ties = {uid: {pos: 0.0 for pos in rows} for uid, rows in stats.items()}
+    _, result = evaluate(path, gs, stats, outputs, tol, None, limits, all_ties, ROUTER_TIE["bfloat16"])
+    assert not result.passed and "router near ties left out" in result.reason, result.reason
+
+
+def test_hf_spread_of_a_moe_model_leaves_router_near_ties_out():
+    """HF's spread in bf16 (on the CPU here): the positions where neither sdpa nor eager is a router near tie make the
+    routed statistics, and sdpa's near ties are listed per sequence (its margins recomputed here agree)."""
+    sequences = _golden_sequences()[:4]
+    sdpa, eager = (G.hf_model(MODEL, "cpu", torch.bfloat16, attn=a) for a in ("sdpa", "eager"))
+    tie = ROUTER_TIE["bfloat16"]
+    with torch.inference_mode():
+        spread = G.hf_spread(sdpa, eager, sequences, "cpu", tie)
+        own = [np.nonzero(G._router_margins(sdpa(torch.tensor([s]), output_router_logits=True), len(s),
+                                            sdpa.config.num_experts_per_tok) <= tie)[0].tolist() for s in sequences]
+    routed, every = spread.routed, spread.stats
+    print(f"HF bf16 spread on the CPU: every position {every}; away from router near ties {routed}")
+    assert routed["positions"] + routed["near_tie_positions"] == every["positions"] == sum(map(len, sequences))
+    assert routed["near_tie_positions"] >= max(map(len, spread.near_ties)) > 0 and spread.near_ties == own
+    assert routed["kl_max"] <= every["kl_max"] and routed["router_tie"] == tie
+
+
+def test_half_gate_of_a_moe_golden_without_its_routed_spread_is_refused():
+    gs = G.load(G.golden_dir(MODEL, "cuda", "bfloat16"))
+    del gs.provenance["hf_spread_routed"]
+    with pytest.raises(G.GoldenError, match="--refresh-spread"):
+        dist_limits(gs, "bfloat16", moe=True)
 
 
 # ------------------------------------------------------------------------------------------------------ CUDA

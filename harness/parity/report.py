@@ -50,7 +50,7 @@ def _router_counts(prompts: List[Any]) -> Dict[str, int]:
 
 DIST_COLUMNS = ["path", "positions", "err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99", "limits",
                 "passed"]
-ROUTER_DIST_COLUMNS = DIST_COLUMNS[:-2] + ["router_near_ties"] + DIST_COLUMNS[-2:]
+ROUTER_DIST_COLUMNS = DIST_COLUMNS[:-2] + ["router_near_ties", "left_out"] + DIST_COLUMNS[-2:]
 
 
 def distribution_rows(result: ParityResult) -> List[Dict[str, Any]]:
@@ -58,7 +58,7 @@ def distribution_rows(result: ParityResult) -> List[Dict[str, Any]]:
     rows = []
     for p in result.paths:
         limits = "-" if p.limits is None else ", ".join(f"{k} {v:.3g}" for k, v in p.limits.items())
-        router = {} if result.router_tie is None else {"router_near_ties": p.router_near_ties}
+        router = {} if result.router_tie is None else {"router_near_ties": p.router_near_ties, "left_out": p.left_out}
         rows.append({"path": p.path, "positions": p.positions, **p.stats, **router, "limits": limits,
                      "passed": "PASS" if p.passed else f"FAIL: {p.reason}"})
     return rows
@@ -68,15 +68,18 @@ def _router_line(result: ParityResult) -> str:
     if result.router_tie is None:
         return ""
     ties = sum(p.router_near_ties for p in result.paths)
+    left = sum(p.left_out for p in result.paths)
     return (f"Router near ties (a MoE layer's k-th and (k+1)-th router logits within {result.router_tie:.3g} x the "
-            f"row's largest |logit|): {ties} positions over every path.\n\n")
+            f"row's largest |logit|, the engine's or the golden's): {ties} positions over every path"
+            f"{f', {left} of them left out of the distributions' if left else ''}.\n\n")
 
 
 def _hf_line(result: ParityResult) -> str:
     s = result.hf_stats
     if not s:
         return _router_line(result)
-    return (f"HF's own spread (eager vs sdpa on the golden's sequences, {s['positions']} positions): err p50 "
+    where = " away from router near ties" if "near_tie_positions" in s else ""
+    return (f"HF's own spread (eager vs sdpa on the golden's sequences, {s['positions']} positions{where}): err p50 "
             f"{s['err_p50']:.3g}, p90 {s['err_p90']:.3g}, p99 {s['err_p99']:.3g}, max {s['err_max']:.3g}; KL mean "
             f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n"
             f"{_router_line(result)}")

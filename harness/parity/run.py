@@ -18,9 +18,9 @@ from engine.models.config import ModelConfig
 from engine.utils.hf import cached_load_hf_config
 from harness import UserError, check_device, zoo
 from harness import golden as G
-from harness.compare import PositionStat, compare_row
+from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
-from harness.parity.gate import (ROUTER_TIE, ParityResult, dist_limits, evaluate, golden_row, tie_tolerance,
+from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, spread_stats, tie_tolerance,
                                  tolerance)
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.report import write_report
@@ -143,14 +143,19 @@ def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], out
     return G.GoldenSet(prompts, dict(gs.provenance, obtained_from=f"engine, parity path {path.name}"))
 
 
+def model_is_moe(model: str) -> bool:
+    return ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
+
+
 def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path = G.GOLDEN_DIR, tp: int = 1) -> ParityResult:
     """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
     gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
-    tol, limits = tolerance(gs, dtype), dist_limits(gs, dtype)
-    is_moe = ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
-    result = ParityResult(model, device, dtype, tol, gs.provenance["hf_spread_max_abs_logprob"],
-                          tie_tolerance(tol, limits), gs.provenance.get("hf_spread"), tp=tp,
+    is_moe = model_is_moe(model)
+    tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
+    spread = spread_stats(gs, dtype, is_moe)
+    result = ParityResult(model, device, dtype, tol, spread["err_max"] if spread else
+                          gs.provenance["hf_spread_max_abs_logprob"], tie_tolerance(tol, limits), spread, tp=tp,
                           router_tie=ROUTER_TIE[dtype] if is_moe else None)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]

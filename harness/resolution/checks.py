@@ -16,9 +16,10 @@ import torch
 from engine import Engine
 from harness import UserError
 from harness import golden as G
+from harness.compare import ROUTER_TIE
 from harness.parity.gate import HALF, PathResult, PromptResult, dist_limits, evaluate, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
-from harness.parity.run import drive_path, path_engine, plan_path
+from harness.parity.run import drive_path, model_is_moe, path_engine, plan_path
 from harness.resolution.faults import Family, Target
 from harness.resolution.search import Verdict
 
@@ -82,7 +83,8 @@ class ParityCheck:
             raise UserError(f"parity path {path!r} does not run on {device}; choose one of: {names}")
         self.path = chosen[0]
         self.gs = G.load_checked(model, device.split(":")[0], dtype)
-        self.tol, self.limits = tolerance(self.gs, dtype), dist_limits(self.gs, dtype)
+        self.moe = model_is_moe(model)
+        self.tol, self.limits = tolerance(self.gs, dtype, self.moe), dist_limits(self.gs, dtype, self.moe)
         self.tie_tol = tie_tolerance(self.tol, self.limits)
         self.plan = plan_path(self.path, device, dtype, self.gs)
         self.engine: Engine | None = None
@@ -144,8 +146,9 @@ class ParityCheck:
 
     def _run(self, engine: Engine) -> Verdict:
         _zero_pool(engine)  # every probe starts from the pool a new engine has: no KV of an earlier probe
-        stats, outputs, _ = drive_path(engine, self.plan, self.gs)
-        prompts, path_result = evaluate(self.path, self.gs, stats, outputs, self.tol, self.tie_tol, self.limits)
+        stats, outputs, margins = drive_path(engine, self.plan, self.gs)
+        prompts, path_result = evaluate(self.path, self.gs, stats, outputs, self.tol, self.tie_tol, self.limits,
+                                        margins if self.moe else None, ROUTER_TIE[self.dtype] if self.moe else 0.0)
         return _verdict(prompts, path_result, self.tol)
 
 
@@ -168,7 +171,7 @@ def _verdict(prompts: List[PromptResult], path: PathResult, tol: float) -> Verdi
              if failed else f"max err {err:.3g} of tol {tol:.3g} ({worst.prompt})"]
     if path.limits is not None:
         parts.append(path.reason if not path.passed else
-                     ", ".join(f"{k} {path.stats[k]:.3g}/{v:.3g}" for k, v in path.limits.items()))
+                     ", ".join(f"{k} {path.stats[k]:.3g}/{v:.3g}" for k, v in path.limits.items() if k in path.stats))
     return Verdict(bool(failed) or not path.passed, "; ".join(parts))
 
 
