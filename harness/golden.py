@@ -135,7 +135,7 @@ def spread_summary(errs: Sequence[float], kls: Sequence[float]) -> Dict[str, Any
             "kl_mean": float(k.mean())}
 
 
-def _router_margins(out: Any, n: int, top_k: int) -> np.ndarray:
+def router_margins(out: Any, n: int, top_k: int) -> np.ndarray:
     """[n]: each position's smallest router margin over the MoE layers of an HF forward run with
     output_router_logits."""
     return torch.stack([router_margin(r.reshape(n, -1), top_k) for r in out.router_logits]).amin(0).cpu().numpy()
@@ -168,7 +168,7 @@ def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str, ro
             kls.append(st.kl)
         if router_tie is not None:
             k = sdpa.config.num_experts_per_tok
-            ta, tb = (_router_margins(o, len(seq), k) <= router_tie for o in (oa, ob))
+            ta, tb = (router_margins(o, len(seq), k) <= router_tie for o in (oa, ob))
             tied += list(ta | tb)
             near_ties.append([int(p) for p in np.nonzero(ta)[0]])
     if router_tie is None:

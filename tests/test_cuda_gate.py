@@ -91,7 +91,6 @@ def test_planted_bf16_fault_fails_parity_on_its_path(monkeypatch, fault, model):
 def test_hf_eager_against_the_sdpa_golden_passes_the_gate(model):
     """HF's own attention switch, teacher-forced on the golden's sequences and judged like an engine path (with
     eager's own router margins on the MoE model)."""
-    from engine.moe import router_margin
     from harness.golden import hf_model
 
     gs = G.load_checked(model, "cuda", "bfloat16")
@@ -106,8 +105,7 @@ def test_hf_eager_against_the_sdpa_golden_passes_the_gate(model):
             stats[uid] = {i: compare_row(lp[i], *golden_row(pg, i)) for i in range(lp.shape[0])}
             outputs.append([])
             if moe:
-                k, n = eager.config.num_experts_per_tok, lp.shape[0]
-                m = torch.stack([router_margin(r.reshape(n, -1), k) for r in out.router_logits]).amin(0)
+                m = G.router_margins(out, lp.shape[0], eager.config.num_experts_per_tok)
                 margins[uid] = dict(enumerate(m.tolist()))
     tol, limits = tolerance(gs, "bfloat16", moe), dist_limits(gs, "bfloat16", moe)
     path = next(p for p in PATHS if p.name == "batch")  # teacher-forced, every position compared

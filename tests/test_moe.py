@@ -20,9 +20,9 @@ from engine.moe.torch_backend import TorchMoE
 from harness import golden as G
 from harness import zoo
 from harness.compare import ROUTER_TIE, PositionStat
+from harness.driver import Driver
 from harness.parity.gate import dist_limits, evaluate, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
-from harness.driver import Driver
 from harness.parity.report import write_report
 from harness.parity.run import run_parity
 
@@ -187,7 +187,7 @@ def test_hf_spread_of_a_moe_model_leaves_router_near_ties_out():
     tie = ROUTER_TIE["bfloat16"]
     with torch.inference_mode():
         spread = G.hf_spread(sdpa, eager, sequences, "cpu", tie)
-        own = [np.nonzero(G._router_margins(sdpa(torch.tensor([s]), output_router_logits=True), len(s),
+        own = [np.nonzero(G.router_margins(sdpa(torch.tensor([s]), output_router_logits=True), len(s),
                                             sdpa.config.num_experts_per_tok) <= tie)[0].tolist() for s in sequences]
     routed, every = spread.routed, spread.stats
     print(f"HF bf16 spread on the CPU: every position {every}; away from router near ties {routed}")

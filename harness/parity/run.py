@@ -20,8 +20,8 @@ from harness import UserError, check_device, zoo
 from harness import golden as G
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
-from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, spread_stats, tie_tolerance,
-                                 tolerance)
+from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
+                                 tie_tolerance, tolerance)
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.report import write_report
 
@@ -153,10 +153,8 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
-    spread = spread_stats(gs, dtype, is_moe)
-    result = ParityResult(model, device, dtype, tol, spread["err_max"] if spread else
-                          gs.provenance["hf_spread_max_abs_logprob"], tie_tolerance(tol, limits), spread, tp=tp,
-                          router_tie=ROUTER_TIE[dtype] if is_moe else None)
+    result = ParityResult(model, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
+                          spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
