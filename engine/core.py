@@ -103,6 +103,8 @@ class Batch:
     padded_reqs: List[Req] = field(init=False)
     # a prefill batch that replays a CUDA graph: the graph's token count (its tokens padded up to it), else 0
     padded_tokens: int = field(init=False, default=0)
+    # a prefill whose requests have no cached prefix: its attention may read the step's own K and V, not the pool
+    no_prefix: bool = field(init=False, default=False)
     attn_metadata: Any = field(init=False, default=None)
 
     @property
@@ -126,7 +128,7 @@ class AttentionForward(Protocol):
     """What the layers call on the Context's attention backend (engine.attention.base.AttentionBackend implements
     it); stated here so that core, which the backends import, imports none of them."""
 
-    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor: ...
 
 
 class MoEForward(Protocol):

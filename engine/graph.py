@@ -8,9 +8,10 @@ Prefill and extend: a batch of at most prefill_max_reqs requests and n <= the la
 of the smallest bucket T >= n. Its attention is FlashInfer's graph-mode paged prefill over the graph's static
 buffers, which the host fills before each replay (the graph itself starts with the backend's graph_prologue: the page
 ids and, with FA3, the work list), with a fixed number of entries: the requests, empty entries, and last a padding
-entry that owns the T - n padding tokens, whose page list is the dummy page (their KV writes land there). The graph
-ends at the final norm's hidden states [T, H]; the LM head runs after the replay on the rows the batch asks for, with
-the shapes of the eager path.
+entry that owns the T - n padding tokens, whose page list is the dummy page (their KV writes land there). Where the
+backend has a ragged prefill, each bucket has a second graph, for batches without a cached prefix, whose attention
+reads the step's own K and V (the padding entry's are its own tokens'). The graph ends at the final norm's hidden
+states [T, H]; the LM head runs after the replay on the rows the batch asks for, with the shapes of the eager path.
 
 Other batches, and every batch on a CPU, run eagerly.
 """
@@ -55,8 +56,10 @@ class GraphRunner:
         self.prefill_max_reqs = prefill_max_reqs
         self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
         self.logits: Dict[int, torch.Tensor] = {}  # [bs, vocab] each
-        self.prefill_graphs: Dict[int, torch.cuda.CUDAGraph] = {}  # prefill / extend, by token count
-        self.hidden: Dict[int, torch.Tensor] = {}  # [T, H] each
+        # prefill / extend, by (token count, whether attention reads the step's own K and V: AttentionBackend.own_kv)
+        self.prefill_graphs: Dict[Tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.hidden: Dict[Tuple[int, bool], torch.Tensor] = {}  # [T, H] each
+        self.last_prefill: Tuple[int, bool] | None = None  # the key of the prefill graph replayed last
         self.memory_used = 0  # device bytes the captures took (pool, outputs, wrappers' buffers)
         if not (self.graph_bs or self.prefill_tokens):
             return
@@ -100,20 +103,21 @@ class GraphRunner:
         self.attn_backend.init_prefill_graphs(self.prefill_max_reqs, self.max_prefill_tokens, ctx.page_table.shape[1],
                                          self.dummy_req.table_idx)
         pool = None
-        for t in tqdm(reversed(self.prefill_tokens), total=len(self.prefill_tokens),
-                      desc="capturing prefill CUDA graphs"):
+        kinds = (False, True) if self.attn_backend.ragged_prefill else (False,)
+        for t, own in tqdm([(t, own) for t in reversed(self.prefill_tokens) for own in kinds],
+                           desc="capturing prefill CUDA graphs"):
             batch = Batch(reqs=[], phase="prefill")  # every token belongs to the padding entry
-            batch.padded_reqs, batch.padded_tokens = [], t
+            batch.padded_reqs, batch.padded_tokens, batch.no_prefix = [], t, own
             self._load(batch, 0, t)
-            # the first plan, at the largest t, sizes the wrappers' work arrays
+            # the first plan of each kind, at the largest t, sizes its wrappers' work arrays
             self.attn_backend.prepare_metadata(batch)
             with ctx.forward_batch(batch):
                 self._prefill_forward(batch)  # warm-up: lazy allocations happen outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.hidden[t] = self._prefill_forward(batch)
+                    self.hidden[t, own] = self._prefill_forward(batch)
             pool = graph.pool()
-            self.prefill_graphs[t] = graph
+            self.prefill_graphs[t, own] = graph
         return pool
 
     def _prefill_forward(self, batch: Batch) -> torch.Tensor:
@@ -144,10 +148,11 @@ class GraphRunner:
         return self.replays(batch) > 0
 
     def pad_batch(self, batch: Batch) -> None:
-        """Fill batch.padded_reqs (a decode batch padded with the dummy request up to a captured size) and
-        batch.padded_tokens (a prefill batch's graph bucket, 0 when it runs eagerly)."""
+        """Fill batch.padded_reqs (a decode batch padded with the dummy request up to a captured size),
+        batch.padded_tokens (a prefill batch's graph bucket, 0 when it runs eagerly) and batch.no_prefix."""
         n = batch.size
         batch.padded_reqs, batch.padded_tokens = list(batch.reqs), 0
+        batch.no_prefix = batch.is_prefill and all(r.cached_len == 0 for r in batch.reqs)
         if batch.is_decode and 0 < n <= self.max_graph_bs:
             size = self.graph_bs[bisect.bisect_left(self.graph_bs, n)]
             batch.padded_reqs += [self.dummy_req] * (size - n)
@@ -166,10 +171,10 @@ class GraphRunner:
         self.attn_backend.prepare_for_replay(batch)
         n = len(batch.input_ids)
         if batch.is_prefill:
-            t = batch.padded_tokens
-            self._load(batch, n, t)
-            self.prefill_graphs[t].replay()
-            return self.model.logits(self.hidden[t][:n], batch)
+            key = self.last_prefill = batch.padded_tokens, self.attn_backend.own_kv(batch)
+            self._load(batch, n, key[0])
+            self.prefill_graphs[key].replay()
+            return self.model.logits(self.hidden[key][:n], batch)
         bs = batch.padded_size
         self._load(batch, n, bs)
         self.graphs[bs].replay()
@@ -182,7 +187,7 @@ class GraphRunner:
     def replays(self, batch: Batch) -> int:
         """The size of the graph a padded batch replays (its bucket or padded batch size), 0 when it runs eagerly."""
         if batch.is_prefill:
-            return batch.padded_tokens if batch.padded_tokens in self.prefill_graphs else 0
+            return batch.padded_tokens if (batch.padded_tokens, False) in self.prefill_graphs else 0
         return batch.padded_size if batch.is_decode and batch.padded_size in self.graphs else 0
 
     def host_inputs(self, batch: Batch, n: int, pin_memory: bool) -> Tuple[torch.Tensor, np.ndarray, np.ndarray,

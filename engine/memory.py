@@ -69,7 +69,7 @@ class Reserve:
 
     activations: int  # the largest eager peak: the largest prefill, the largest decode batch, the sampler's worst
     graphs: int  # what the CUDA graphs keep: their pool, their outputs, their wrappers' buffers
-    workspace: int  # the attention backend's float workspace
+    workspace: int  # the attention backend's float workspace and its eager wrappers' int workspaces
 
     @property
     def total(self) -> int:
@@ -145,9 +145,10 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
-    (decode logits, prefill hidden states; counted from their shapes, each rounded to the allocator's 2 MiB), the
-    graph wrappers' int workspaces, the static inputs and page lists the graphs read (from their shapes), and the
-    capture stream's cuBLAS workspace.
+    (decode logits, prefill hidden states of each bucket and kind; counted from their shapes, each rounded to the
+    allocator's 2 MiB), the graph wrappers' int workspaces, the static inputs and page lists the graphs read (from
+    their shapes), and the capture stream's cuBLAS workspace. workspace: FlashInfer's float workspace and the int
+    workspaces of its eager wrappers (prefill, decode, ragged prefill: one each a window).
     Peaks are the allocator's reserved segments, as a graph's pool holds them. GraphRunner.memory_used is what the
     captures really took, to check this against.
     """
@@ -170,6 +171,9 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
 
     try:
         with scratch_context(config, make_kv_pool, make_attn_backend, make_moe_backend) as max_bs:
+            # a backend with a ragged prefill has a second prefill graph a bucket, its own graph wrappers and an
+            # eager one a window
+            kinds = 1 + get_global_ctx().attn_backend.ragged_prefill  # type: ignore[union-attr]
             prefill = {n: peak(lambda n=n: probe_forward(model, config, "prefill", [n]))
                        for n in {tokens, *buckets[-1:]}}
             decode = peak(lambda: probe_forward(model, config, "decode", [1] * max_bs))
@@ -190,9 +194,9 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
         pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
         # each kept output holds its own allocator block, rounded up to the allocator's 2 MiB segment granularity
         kept = [bs * -(-mc.vocab_size // tp) * tp * item for bs in graph_bs] + [t * mc.hidden_size * item
-                                                                                for t in buckets]
+                                                                                for t in buckets] * kinds
         outputs = sum(align_up(b, ALLOCATOR_SEGMENT) for b in kept)
-        wrappers = (len(graph_bs) + bool(buckets)) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
+        wrappers = (len(graph_bs) + bool(buckets) * kinds) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
         width = -(-align_up(config.max_seq_len, 32) // config.page_size)  # pages of a page-table row, at most
         t = max(buckets, default=0)
         static = 16 * max(max_bs, t)  # the runner's ids, positions (int32) and slots (int64)
@@ -201,8 +205,10 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
         if buckets:  # prefill page indices and each token's entry (int32)
             static += 4 * (config.prefill_graph_max_reqs * width + t // config.page_size + 1 + t)
         graphs = pool + outputs + wrappers + static + cublas_workspace_bytes(device)
+    flashinfer = config.attention_backend == "flashinfer"
+    eager_wrappers = (1 + kinds) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
     reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
-                      workspace=WORKSPACE_BYTES if config.attention_backend == "flashinfer" else 0)
+                      workspace=WORKSPACE_BYTES + eager_wrappers if flashinfer else 0)
     logger.info("reserve %s: activations %s (prefill of %d tokens, decode of %d, sampling %d rows), graphs %s "
                 "(%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total), gib(reserve.activations),
                 tokens, max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))

@@ -216,6 +216,7 @@ def test_fused_ops_match_the_torch_reference_on_strided_views():
         ops.qk_rope_store_(torch.arange(3000, 3037, device="cuda", dtype=torch.int32), q, kv, rope.table, norms,
                            pool, 1, out_loc)
         results.append((q, *(c[out_loc] for c in pool.slots(1))))
+        assert torch.equal(kv[:, 0], pool.slots(1)[0][out_loc])  # K left in the projection as the pool got it
         assert not pool._kv[:, 0].any()  # the other layer untouched
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got.float(), want.float(), **close)

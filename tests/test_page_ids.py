@@ -102,7 +102,7 @@ def test_the_backends_page_lists_match_their_definition(case, seed):
     backend.dg_meta = torch.full((5, len(reqs) + 1 + empty), -7, **static)  # decode graphs up to len + empty
     backend.graph_indices = torch.full((width * (len(reqs) + empty),), -7, **static)
     backend.graph_wrappers = {len(reqs): {}} if graph_decode else {}
-    backend.prefill_graph = {}  # no wrappers: the prologue gathers the page ids (FA3 work: test_prefill_schedule)
+    backend.prefill_graph = {False: {}}  # no wrappers: the prologue gathers the page ids (FA3 work: test_prefill_schedule)
     ctx = Context(page_size)
     ctx.page_table = torch.from_numpy(table).to(DEVICE)
     set_global_ctx(ctx)

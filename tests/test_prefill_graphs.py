@@ -31,15 +31,17 @@ def make(model: str, prefill_graph_tokens: int, **kw) -> Engine:
 
 
 def prefill(engine: Engine, prompts: List[List[int]], prefix_lens: List[int] | None,
-            kv: bool = True) -> Tuple[Dict, torch.Tensor | None, int]:
+            kv: bool = True) -> Tuple[Dict, torch.Tensor | None, List[bool]]:
     """(log-probabilities at every prompt position, a copy of the pool without the dummy page (kv=False: None, for
-    an engine whose pool fills the GPU), prefill graph replays)."""
+    an engine whose pool fills the GPU), for each prefill graph replay whether its attention read the step's own K
+    and V)."""
     seen: Dict = {}
-    replays = [0]
+    replays: List[bool] = []
     runner_replay = engine.graph_runner.replay
 
     def counted(batch):
-        replays[0] += batch.is_prefill
+        if batch.is_prefill:
+            replays.append(engine.attn_backend.own_kv(batch))
         return runner_replay(batch)
 
     def hook(uid: int, pos: int, lp: torch.Tensor) -> None:
@@ -52,7 +54,7 @@ def prefill(engine: Engine, prompts: List[List[int]], prefix_lens: List[int] | N
     finally:
         del engine.graph_runner.replay
     torch.cuda.synchronize()
-    return seen, engine.kv_cache._kv[:, :, : engine.num_pages].clone() if kv else None, replays[0]
+    return seen, engine.kv_cache._kv[:, :, : engine.num_pages].clone() if kv else None, replays
 
 
 def prompts_of(lengths: List[int]) -> List[List[int]]:
@@ -80,13 +82,15 @@ def test_graph_prefill_equals_eager_prefill(model, case):
     results = []
     for tokens in (0, BOUND):
         eng = make(model, tokens, page_size=page_size)
+        ragged = eng.attn_backend.ragged_prefill
         try:
-            assert len(eng.graph_runner.prefill_graphs) == (3 if tokens else 0)
+            assert len(eng.graph_runner.prefill_graphs) == (3 * (1 + ragged) if tokens else 0)
             results.append(prefill(eng, prompts, prefix_lens))
         finally:
             eng.shutdown()
     (ref, ref_kv, eager_replays), (got, got_kv, graph_replays) = results
-    assert eager_replays == 0 and graph_replays == (2 if prefix_lens else 1)
+    # the prompts (and a prefix's own prefill) through the ragged kernel where the backend has it, extends paged
+    assert eager_replays == [] and graph_replays == ([ragged, False] if prefix_lens else [ragged])
     assert ref.keys() == got.keys()
     worst = max((ref[k].float() - got[k].float()).abs().max().item() for k in ref)
     kv_equal = torch.equal(ref_kv, got_kv)
@@ -103,12 +107,12 @@ def test_captures_fit_the_reserve_and_the_driver_uses_them():
                               num_page_override=None))
     try:
         runner = eng.graph_runner
-        assert sorted(runner.prefill_graphs) == [128, 256, 512, 1024, 2048, 4096] and runner.graphs
+        assert sorted({t for t, _ in runner.prefill_graphs}) == [128, 256, 512, 1024, 2048, 4096] and runner.graphs
         print(f"graphs took {runner.memory_used / 2**20:.1f} MiB, reserved for them {eng.reserve.graphs / 2**20:.1f}"
               f" MiB (activations {eng.reserve.activations / 2**20:.1f} MiB)")
         assert 0 < runner.memory_used <= eng.reserve.graphs
         _, _, replays = prefill(eng, prompts_of([1000]), None, kv=False)
-        assert replays == 1
+        assert len(replays) == 1
     finally:
         eng.shutdown()
 
@@ -118,7 +122,7 @@ def test_a_pool_smaller_than_the_largest_bucket_caps_the_buckets():
     of a row, so no bucket may exceed it (a 1024-token bucket once indexed past the row while capturing)."""
     small = make("tiny-qwen3", 1024, num_page_override=64)
     try:
-        assert sorted(small.graph_runner.prefill_graphs) == [64]
+        assert sorted({t for t, _ in small.graph_runner.prefill_graphs}) == [64]
         got, got_kv, replays = prefill(small, prompts_of([30, 20]), None)
     finally:
         small.shutdown()
@@ -127,5 +131,5 @@ def test_a_pool_smaller_than_the_largest_bucket_caps_the_buckets():
         ref, ref_kv, _ = prefill(eager, prompts_of([30, 20]), None)
     finally:
         eager.shutdown()
-    assert replays == 1 and ref.keys() == got.keys()
+    assert len(replays) == 1 and ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref) and torch.equal(ref_kv, got_kv)

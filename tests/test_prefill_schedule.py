@@ -52,7 +52,8 @@ def read_work(ws: np.ndarray, offsets: List[int], ctas: int) -> Tuple[dict, np.n
             for name, o in zip(prefill_schedule.FIELDS, offsets[:6] + offsets[7:8])}, indptr
 
 
-def run_kernel(q_lens: List[int], cached: List[int], heads: int, ctas: int, head_dim: int, page: int = 1):
+def run_kernel(q_lens: List[int], cached: List[int], heads: int, ctas: int, head_dim: int, page: int = 1,
+               ragged: bool = False):
     """The kernel (Triton's interpreter on a CPU) over pg_meta-shaped lists of these entries, into a workspace laid
     out as FlashInfer's graph-mode plan lays it out: (items, work_indptr, the lists)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +65,8 @@ def run_kernel(q_lens: List[int], cached: List[int], heads: int, ctas: int, head
     stride = -(-capacity * 4 // 16) * 16
     offsets = [k * stride for k in range(7)] + [6 * stride + -(-4 * (ctas + 1) // 16) * 16]
     ws = torch.full((offsets[7] + stride,), 255, dtype=torch.uint8, device=device)
-    prefill_schedule.sm90_schedule(torch.from_numpy(meta).to(device), n, ws, offsets, heads, ctas, head_dim, capacity)
+    prefill_schedule.sm90_schedule(torch.from_numpy(meta).to(device), n, ws, offsets, heads, ctas, head_dim, capacity,
+                                   ragged)
     work, indptr = read_work(ws.cpu().numpy(), offsets, ctas)
     return work, indptr, meta
 
@@ -88,14 +90,18 @@ def batches(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches(), st.sampled_from([(16, 128), (4, 64), (8, 256)]), st.sampled_from([132, 78, 7]))
-def test_work_list_is_flashinfers_items_balanced(batch, heads_dim, ctas):
+@given(batches(), st.sampled_from([(16, 128), (4, 64), (8, 256)]), st.sampled_from([132, 78, 7]), st.booleans())
+def test_work_list_is_flashinfers_items_balanced(batch, heads_dim, ctas, ragged):
     """FlashInfer's items exactly, each CTA's range in work_indptr, the most any CTA runs within total / CTAs + the
-    largest item."""
+    largest item. Ragged (prompts without a cached prefix, keys from the step's own tokens): the kv offsets are the
+    token offsets, as FlashInfer's ragged plan takes kv_indptr = qo_indptr."""
     q_lens, cached, page = batch
+    if ragged:  # (meta's kv_indptr, in pages, is not what the ragged items take)
+        cached = [0] * len(q_lens)
     heads, head_dim = heads_dim
-    work, indptr, meta = run_kernel(q_lens, cached, heads, ctas, head_dim, page)
-    expected = flashinfer_items(meta[0], meta[1], meta[4, : len(q_lens)], heads, prefill_schedule.tile_q(head_dim))
+    work, indptr, meta = run_kernel(q_lens, cached, heads, ctas, head_dim, page, ragged)
+    expected = flashinfer_items(meta[0], meta[0] if ragged else meta[1], meta[4, : len(q_lens)], heads,
+                                prefill_schedule.tile_q(head_dim))
     assert indptr[0] == 0 and np.all(np.diff(indptr) >= 0) and indptr[-1] == len(expected)
     assert items_of(work, len(expected)) == expected
     most, total, largest = makespan(work, indptr, prefill_schedule.tile_q(head_dim))
@@ -118,9 +124,11 @@ def device_items(wrapper, info: List[int], num_sms: int) -> List[Item]:
 
 
 @pytest.mark.cuda
-def test_graph_plan_work_arrays_on_the_device_are_flashinfers():
+@pytest.mark.parametrize("own", [True, False], ids=["ragged prompts", "paged extends"])
+def test_graph_plan_work_arrays_on_the_device_are_flashinfers(own):
     """A graph prefill through the engine leaves in the device workspace (its prologue's work) the items FlashInfer's
-    scheduler produces when it plans the same lists into the same wrapper (whose layout, plan_info, it keeps)."""
+    scheduler produces when it plans the same lists into the same wrapper (whose layout, plan_info, it keeps): three
+    prompts through the ragged kernel, or three extends over cached prefixes through the paged one."""
     from engine import Engine, EngineConfig
     from engine.attention.flashinfer_backend import _PageLists
     from engine.core import SamplingParams
@@ -134,13 +142,17 @@ def test_graph_plan_work_arrays_on_the_device_are_flashinfers():
                               prefill_graph_tokens=512, use_dummy_weight=True))
     try:
         backend = eng.attn_backend
-        window, wrapper = next(iter(backend.prefill_graph.items()))
+        if own not in backend.prefill_graph:
+            pytest.skip("no ragged prefill (FA2)")
+        window, wrapper = next(iter(backend.prefill_graph[own].items()))
         if not backend.plan_prefill_directly or wrapper._backend != "fa3":
             pytest.skip("the device-built work list serves FA3 graph plans of the FlashInfer release it follows")
-        lengths = [300, 7, 120]  # one graph batch of three prompts (bucket 512)
-        prompts = [[(13 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
-        Driver(eng).generate(prompts, SamplingParams(max_tokens=1))
-        assert backend._sm90_layout(window) is not None
+        lengths = [300, 7, 120]  # one graph batch of three prompts or extends (bucket 512)
+        prefixes = [0, 0, 0] if own else [40, 300, 9]
+        prompts = [[(13 * i + j) % 500 + 3 for j in range(n + c)] for i, (n, c) in enumerate(zip(lengths, prefixes))]
+        Driver(eng).generate(prompts, SamplingParams(max_tokens=1), prefix_lens=None if own else prefixes)
+        assert eng.graph_runner.last_prefill == (512, own)
+        assert backend._sm90_layout(window, own) is not None
         info = [int(v) for v in wrapper._plan_info]
         ours = device_items(wrapper, info, backend.num_sms)
         meta = backend.pg_meta.cpu().numpy()
@@ -149,11 +161,12 @@ def test_graph_plan_work_arrays_on_the_device_are_flashinfers():
         lists = _PageLists(torch.from_numpy(meta[0, : entries + 1].copy()),
                            torch.from_numpy(meta[1, : entries + 1].copy()), None, None, None, (),
                            torch.from_numpy(meta[4, :entries].copy()))
-        saved, backend._sm90[window] = backend._sm90[window], None  # FlashInfer's scheduler this time
+        key = own, window
+        saved, backend._sm90[key] = backend._sm90[key], None  # FlashInfer's scheduler this time
         try:
-            backend._fast_prefill_plan(wrapper, lists, window)
+            backend._fast_prefill_plan(wrapper, lists, window, own)
         finally:
-            backend._sm90[window] = saved
+            backend._sm90[key] = saved
         assert [int(v) for v in wrapper._plan_info] == info
         theirs = device_items(wrapper, info, backend.num_sms)
         assert len(ours) > 0 and ours == theirs

@@ -30,10 +30,18 @@ class AttentionBackend(ABC):
     def prepare_metadata(self, batch: Batch) -> None:
         """Set batch.attn_metadata from batch.padded_reqs and the page table (before forward)."""
 
+    # whether prefills without a cached prefix (batch.no_prefix) attend over the step's own K and V (forward's kv)
+    # through a kernel of their own, with CUDA graphs of their own
+    ragged_prefill = False
+
+    def own_kv(self, batch: Batch) -> bool:
+        """Whether this batch's attention reads forward's kv rather than the pool."""
+        return self.ragged_prefill and batch.is_prefill and batch.no_prefix
+
     @abstractmethod
-    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q [N, Hq, D] -> [N, Hq * D], over the pool, which already holds the batch's own K and V at batch.out_loc
-        (the attention layer's ops store them)."""
+        (the attention layer's ops store them); kv [N, 2, Hkv, D] holds them too (K normalized and rotated)."""
 
     # CUDA-graph hooks: static metadata buffers captured once, refilled before each replay.
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:

@@ -1,4 +1,5 @@
-"""The work list of FlashInfer's SM90 (FA3) paged prefill kernel, computed on the device in one Triton program.
+"""The work list of FlashInfer's SM90 (FA3) prefill kernels, paged and ragged, computed on the device in one Triton
+program.
 
 The kernel runs a persistent grid of one CTA per SM; CTA c processes the work items work_indptr[c] .. work_indptr[c+1]
 one after another, an item being one query tile (128 rows; 192 at head_dim 64) of one request for one query head,
@@ -33,20 +34,22 @@ def tile_q(head_dim_vo: int) -> int:
 
 
 def sm90_schedule(meta: torch.Tensor, entries: int, workspace: torch.Tensor, offsets: Sequence[int], num_heads: int,
-                  num_ctas: int, head_dim_vo: int, capacity: int) -> None:
+                  num_ctas: int, head_dim_vo: int, capacity: int, ragged: bool = False) -> None:
     """Write the work arrays of the entries in meta (int32 [5, >= entries + 1]: qo_indptr, kv_indptr in pages, -,
     -, kv lengths, as the prefill graphs' pg_meta) into the int workspace (uint8) at FlashInfer's byte offsets
-    (PrefillPlanSM90Info's first eight). capacity: the most items the arrays hold (the plan sized them)."""
+    (PrefillPlanSM90Info's first eight). capacity: the most items the arrays hold (the plan sized them). ragged:
+    for the ragged kernel over the step's own K and V (entries without a cached prefix), whose kv offsets are the
+    entries' token offsets, qo_indptr's."""
     assert all(o % 4 == 0 for o in offsets), offsets
     block = triton.next_power_of_2(capacity)
     sm90_schedule_kernel[(1,)](
         meta, meta.stride(0), workspace.view(torch.int32), *(o // 4 for o in offsets), entries, num_heads, num_ctas,
-        TILE=tile_q(head_dim_vo), BLOCK_W=block, MAX_COST=(1 << 31) // block - 1,
+        RAGGED=ragged, TILE=tile_q(head_dim_vo), BLOCK_W=block, MAX_COST=(1 << 31) // block - 1,
         BLOCK_C=triton.next_power_of_2(num_ctas + 1), num_warps=8)
 
 
 @triton.jit
-def _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE: tl.constexpr):
+def _item_fields(i, T, meta_ptr, meta_stride, num_entries, RAGGED: tl.constexpr, TILE: tl.constexpr):
     """Item i = head * T + global tile g: (tile in its request, head, request, qo offset, kv offset, qo len, kv len,
     cost), the entries walked once (a request's tiles follow the earlier requests')."""
     g = i % T
@@ -61,7 +64,11 @@ def _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE: tl.constexpr):
         t = tl.where(inside, g - start, t)
         req = tl.where(inside, e, req)
         qo = tl.where(inside, qo0, qo)
-        kv = tl.where(inside, tl.load(meta_ptr + meta_stride + e), kv)
+        if RAGGED:  # no cached prefix: the keys are the entry's own tokens
+            kv_e = qo0
+        else:
+            kv_e = tl.load(meta_ptr + meta_stride + e)
+        kv = tl.where(inside, kv_e, kv)
         q = tl.where(inside, ql, q)
         k = tl.where(inside, tl.load(meta_ptr + 4 * meta_stride + e), k)
         nt = tl.where(inside, ntl, nt)
@@ -80,7 +87,8 @@ def _cta_start(c, F, m, num_ctas):
 
 @triton.jit
 def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv, off_qlen, off_kvlen, off_head,
-                         off_indptr, off_batch, num_entries, num_heads, num_ctas, TILE: tl.constexpr,
+                         off_indptr, off_batch, num_entries, num_heads, num_ctas, RAGGED: tl.constexpr,
+                         TILE: tl.constexpr,
                          BLOCK_W: tl.constexpr, MAX_COST: tl.constexpr, BLOCK_C: tl.constexpr):
     tiles = tl.load(meta_ptr) * 0
     for e in range(num_entries):
@@ -90,10 +98,10 @@ def sm90_schedule_kernel(meta_ptr, meta_stride, ws_ptr, off_tile, off_qo, off_kv
     i = tl.arange(0, BLOCK_W)
     idx = i  # rank j's item: in one round every item has a CTA of its own, in any order
     if W > num_ctas:  # largest cost first, ties by item index; the items past W sort last
-        _, _, _, _, _, _, _, cost = _item_fields(i, T, meta_ptr, meta_stride, num_entries, TILE)
+        _, _, _, _, _, _, _, cost = _item_fields(i, T, meta_ptr, meta_stride, num_entries, RAGGED, TILE)
         key = tl.where(i < W, tl.minimum(cost, MAX_COST) * BLOCK_W + (BLOCK_W - 1 - i), -1)
         idx = BLOCK_W - 1 - tl.sort(key, descending=True) % BLOCK_W
-    t, head, req, qo, kv, q, k, _ = _item_fields(idx, T, meta_ptr, meta_stride, num_entries, TILE)
+    t, head, req, qo, kv, q, k, _ = _item_fields(idx, T, meta_ptr, meta_stride, num_entries, RAGGED, TILE)
 
     # rank j goes to CTA c in round r (F full rounds, m items in the last)
     r = i // num_ctas

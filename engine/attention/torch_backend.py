@@ -61,7 +61,7 @@ class TorchBackend(AttentionBackend):
             masks=masks,
         )
 
-    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         kv_cache = get_global_ctx().kv_cache
         md: TorchAttnMetadata = batch.attn_metadata
         mask = md.masks[self.windows[layer_id]]

@@ -1,5 +1,5 @@
 """The attention layer: the per-head q/k norms, RoPE and the KV store (one op of the engine's ops, one kernel on the
-fused path), then the backend, which attends over the pool."""
+fused path), then the backend, which attends over the pool (or, for a prompt, over the step's own K and V)."""
 
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ class AttentionLayer(nn.Module):
         batch = ctx.batch
         self.ops.qk_rope_store_(batch.positions, q, kv, self.rotary[0].table, norms, ctx.kv_cache, self.layer_id,
                                 batch.out_loc)
-        return ctx.attn_backend.forward(q, self.layer_id, batch)
+        return ctx.attn_backend.forward(q, kv, self.layer_id, batch)

@@ -64,8 +64,9 @@ class TorchOps:
     def qk_rope_store_(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
                        norms: tuple | None, pool: KVCachePool, layer_id: int, out_loc: torch.Tensor) -> None:
         """What attention needs before it attends: per-head RMSNorm of q and k (norms: the (q_norm, k_norm) RMSNorm
-        modules, None without), RoPE of q and k, then K and V into the pool at slots out_loc [N]. q [N, Hq, D] is
-        left normalized and rotated in place; kv [N, 2, Hkv, D] (a view) may be changed."""
+        modules, None without), RoPE of q and k, then K and V into the pool at slots out_loc [N]. q [N, Hq, D] and
+        the K of kv [N, 2, Hkv, D] (views) are left normalized and rotated in place: kv then holds what the pool got
+        (a prompt's attention may read it there)."""
         k = kv[:, 0]
         if norms is not None:
             for x, norm in zip((q, k), norms):

@@ -1,14 +1,15 @@
 """The attention's inputs in one kernel: per-head RMSNorm of q and k (Qwen3), rotate-half RoPE of q and k, and K and V
 written into the KV pool at their slots, in Triton.
 
-Unfused, these are four kernels a layer (q norm, k norm, RoPE, the KV append), each reading and writing the heads
-again; at a batch-1 decode step of a 0.6B model on the H200 they took 187 us of a 1.36 ms step, most of it launch
-and tail, where this kernel takes 58 us (reports/bench/cuda-qwen3-0.6b). One program takes one head of BLOCK_T
-tokens: it loads each token's two halves once, normalizes them in fp32 (weight product in fp32, one rounding, as
-FlashInfer's rmsnorm), rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.rope_table:
-HF's cos/sin rounded to the model dtype) and rounds once, as FlashInfer's RoPE does; a q head is written back in
-place, a k head and its v head go to the pool. A token's arithmetic is its own row of the tile, and the tile's shape
-is fixed, so its result does not depend on the batch it runs in (graph padding, prefill buckets).
+Unfused, these are four kernels a layer (q norm, k norm, RoPE, the KV append), each reading and writing the heads again;
+at a batch-1 decode step of a 0.6B model on the H200 they took 187 us of a 1.36 ms step, most of it launch and tail,
+where this kernel takes 58 us (reports/bench/cuda-qwen3-0.6b). One program takes one head of BLOCK_T tokens: it loads
+each token's two halves once, normalizes them in fp32 (weight product in fp32, one rounding, as FlashInfer's rmsnorm),
+rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.rope_table: HF's cos/sin rounded to the
+model dtype) and rounds once, as FlashInfer's RoPE does; a q or k head is written back in place (a prompt's attention
+may read its K from there: the ragged prefill), a k head and its v head go to the pool. A token's arithmetic is its own
+row of the tile, and the tile's shape is fixed, so its result does not depend on the batch it runs in (graph padding,
+prefill buckets).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def qk_rope_store(positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, ta
                   v_pool: torch.Tensor, out_loc: torch.Tensor) -> None:
     """positions [N] int32; q [N, Hq, D] and kv [N, 2, Hkv, D], strided views with unit stride along D; table
     [max_pos, D] fp32 (cos | sin); q_weight, k_weight [D] or both None (no per-head norm); k_pool, v_pool
-    [slots, Hkv, D] with unit stride along D; out_loc [N] int64 slots. q is normalized and rotated in place, K (normed,
-    rotated) and V land at their slots; kv itself is left as it was."""
+    [slots, Hkv, D] with unit stride along D; out_loc [N] int64 slots. q and kv's K are normalized and rotated in
+    place, and K and V land at their slots."""
     n, hq, d = q.shape
     hkv = kv.shape[2]
     assert supports(q, kv) and k_pool.stride(2) == v_pool.stride(2) == 1, f"head_dim {d} or strides not supported"
@@ -103,10 +104,9 @@ def _kernel():
         sin = tl.load(row + HALF + d, mask=m, other=0.0)
         y1 = (x1 * cos - x2 * sin).to(dtype)
         y2 = (x2 * cos + x1 * sin).to(dtype)
-        if is_q:
-            tl.store(src + d, y1, mask=m)
-            tl.store(src + HALF + d, y2, mask=m)
-        else:
+        tl.store(src + d, y1, mask=m)
+        tl.store(src + HALF + d, y2, mask=m)
+        if not is_q:
             slot = tl.load(loc_ptr + t, mask=ok, other=0)[:, None]
             k_dst = k_pool_ptr + slot * stride_ks + j * stride_kh
             tl.store(k_dst + d, y1, mask=m)

@@ -58,10 +58,14 @@ def profile_replay(engine: Any, bs: int, repeats: int = 50, profiled: int = 10) 
 
 
 def profile_prefill(engine: Any, tokens: int, repeats: int = 20, profiled: int = 5) -> ReplayProfile | None:
-    """Replay the prefill graph of the bucket a prefill of `tokens` tokens takes, as the last prefill planned it
-    (its KV writes land where that prefill's did). None when it runs eagerly."""
-    bucket = engine.graph_runner.prefill_bucket(tokens)
-    return profile_graph(engine.graph_runner.prefill_graphs[bucket], repeats, profiled) if bucket else None
+    """Replay the prefill graph the last prefill replayed, as it planned it (its KV writes land where that prefill's
+    did), which must have had `tokens` tokens. None when it ran eagerly."""
+    runner = engine.graph_runner
+    bucket = runner.prefill_bucket(tokens)
+    if not bucket:
+        return None
+    assert runner.last_prefill is not None and runner.last_prefill[0] == bucket, (runner.last_prefill, tokens)
+    return profile_graph(runner.prefill_graphs[runner.last_prefill], repeats, profiled)
 
 
 def profile_graph(graph: Any, repeats: int, profiled: int) -> ReplayProfile:

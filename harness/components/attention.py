@@ -3,7 +3,8 @@
 Both backends go through the engine's own path: prepare_metadata on a real Batch of Req under a Context holding the
 pool and the page table, then per layer the step's K and V stored at batch.out_loc (the torch side through
 KVCachePool.store_kv, as the reference ops store them, the FlashInfer side through the fused ops' kernel) and forward,
-which attends over the pool; the graph phase captures the backend's decode in a CUDA graph as GraphRunner does
+which attends over the pool (FlashInfer's prefill phase, prompts without a prefix, over the step's own K and V: the
+ragged kernel, where the GPU has FA3); the graph phase captures the backend's decode in a CUDA graph as GraphRunner does
 (init_capture_graph, a dummy batch, prepare_for_capture, a warm-up, the capture) and replays it after
 prepare_metadata and prepare_for_replay. Each side has its own copy of the pool, so the store is compared too.
 """
@@ -65,7 +66,7 @@ def _forward(backend: AttentionBackend, inputs: PagedInputs, batch: Batch, qkv: 
                                         batch.out_loc)
         else:
             pool.store_kv(kv, batch.out_loc, layer)
-        outs.append(backend.forward(q, layer, batch))
+        outs.append(backend.forward(q, kv, layer, batch))
     return outs
 
 

@@ -131,6 +131,7 @@ class PagedInputs:
         batch = Batch(reqs=list(self.reqs), phase=phase)
         pad = GRAPH_BS - len(self.reqs) if self.case.phase == "graph" else 0
         batch.padded_reqs = batch.reqs + [self.dummy] * pad
+        batch.no_prefix = phase == "prefill" and not any(r.cached_len for r in self.reqs)  # as GraphRunner sets it
         positions, out_loc = self.positions.clone(), self.out_loc.clone()
         if misplaced > 0.0:
             eligible = np.flatnonzero(self.positions[: self.num_tokens].cpu().numpy() >= 1)

@@ -90,13 +90,13 @@ def _softmax_scale(phase: str) -> Plant:
         factor = 1.0 + e
 
         def torch_forward(original: Callable) -> Callable:
-            def forward(self: TorchBackend, q: torch.Tensor, layer_id: int, batch) -> torch.Tensor:
+            def forward(self: TorchBackend, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch) -> torch.Tensor:
                 if batch.phase != phase:
-                    return original(self, q, layer_id, batch)
+                    return original(self, q, kv, layer_id, batch)
                 saved = self.scale  # None: SDPA's 1 / sqrt(head_dim), computed as SDPA does
                 self.scale = (saved if saved is not None else 1.0 / math.sqrt(q.shape[-1])) * factor
                 try:
-                    return original(self, q, layer_id, batch)
+                    return original(self, q, kv, layer_id, batch)
                 finally:
                     self.scale = saved
             return forward
