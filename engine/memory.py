@@ -189,6 +189,7 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     from engine.attention.flashinfer_backend import WORKSPACE_BYTES
 
     item, tp = next(model.parameters()).dtype.itemsize, config.tp_info.size
+    per_window = len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE  # one wrapper of a kind: one a window
     graphs = 0
     if graph_bs or buckets:
         pool = max(decode if graph_bs else 0, prefill[buckets[-1]] if buckets else 0)
@@ -196,7 +197,7 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
         kept = [bs * -(-mc.vocab_size // tp) * tp * item for bs in graph_bs] + [t * mc.hidden_size * item
                                                                                 for t in buckets] * kinds
         outputs = sum(align_up(b, ALLOCATOR_SEGMENT) for b in kept)
-        wrappers = (len(graph_bs) + bool(buckets) * kinds) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
+        wrappers = (len(graph_bs) + bool(buckets) * kinds) * per_window
         width = -(-align_up(config.max_seq_len, 32) // config.page_size)  # pages of a page-table row, at most
         t = max(buckets, default=0)
         static = 16 * max(max_bs, t)  # the runner's ids, positions (int32) and slots (int64)
@@ -206,9 +207,8 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
             static += 4 * (config.prefill_graph_max_reqs * width + t // config.page_size + 1 + t)
         graphs = pool + outputs + wrappers + static + cublas_workspace_bytes(device)
     flashinfer = config.attention_backend == "flashinfer"
-    eager_wrappers = (1 + kinds) * len(set(layer_windows(mc))) * FLASHINFER_INT_WORKSPACE
     reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
-                      workspace=WORKSPACE_BYTES + eager_wrappers if flashinfer else 0)
+                      workspace=WORKSPACE_BYTES + (1 + kinds) * per_window if flashinfer else 0)
     logger.info("reserve %s: activations %s (prefill of %d tokens, decode of %d, sampling %d rows), graphs %s "
                 "(%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total), gib(reserve.activations),
                 tokens, max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))

@@ -53,7 +53,7 @@ class _PageLists:
     qo_indptr: torch.Tensor  # [bs + 1] int32, pinned host
     kv_indptr: torch.Tensor  # [bs + 1] int32, pinned host, in pages
     last_page_len: torch.Tensor  # [bs] int32, pinned host
-    kv_indices: torch.Tensor  # [total pages] int32, device: page ids
+    kv_indices: torch.Tensor | None  # [total pages] int32, device: page ids (None: a ragged prefill reads none)
     qo_indptr_device: torch.Tensor  # [bs + 1] int32, device
     # what a decode plan's schedule depends on: batch size, page counts (lengths with tensor cores); () for a prefill
     schedule: tuple
@@ -167,6 +167,8 @@ class FlashInferBackend(AttentionBackend):
             qo_dev, kv_indptr_dev, rows_dev = views.qo_indptr_device, views.kv_indptr_device, views.rows_device
         if graph_prefill:  # the graph gathers them (graph_prologue)
             indices = self.pg_indices[:total]
+        elif self.own_kv(batch):  # an eager ragged prefill attends over the step's own K and V
+            indices = None
         else:
             indices = page_ids(get_global_ctx().page_table, kv_indptr_dev, rows_dev, total, ps,
                                None if static is None else self.graph_indices)
