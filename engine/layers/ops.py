@@ -7,10 +7,10 @@ writes no copies of q and k.
 
 Numerics that differ on the fused path, each within bf16 rounding: RMSNorm multiplies the weight in fp32 before one
 rounding (HF Llama casts first), fused_add_rmsnorm normalizes the unrounded sum, RoPE rotates HF's rounded cos/sin in
-fp32 and rounds once (HF rounds after each product), the gated activations round once, the skinny GEMM sums in
-fp32 in its own order (cuBLAS's is another); the fused q/k norm + RoPE + KV store rounds where FlashInfer's norm
-and RoPE kernels do (after the norm, after the rotation) and sums the squares in its own order. Gemma's per-head q/k
-norms stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form; the fused kernel knows w).
+fp32 and rounds once (HF rounds after each product), the gated activations round once, the skinny and narrow GEMMs
+sum in fp32 in their own orders (cuBLAS's is another); the fused q/k norm + RoPE + KV store rounds where FlashInfer's
+norm and RoPE kernels do (after the norm, after the rotation) and sums the squares in its own order. Gemma's per-head
+q/k norms stay on the reference path (FlashInfer's gemma_rmsnorm has no [N, H, D] form; the fused kernel knows w).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from engine.core import forwarding_prefill
 from engine.kvcache import KVCachePool
-from engine.layers import qk_rope_store, skinny_gemm
+from engine.layers import narrow_gemm, qk_rope_store, skinny_gemm
 from engine.utils.device import has_flashinfer, has_triton
 
 OPS_BACKENDS = ("torch", "flashinfer")
@@ -90,7 +90,8 @@ class FlashInferOps(TorchOps):
     """One fused kernel per op (CUDA, fp16/bf16), FlashInfer's: rmsnorm, fused_add_rmsnorm, per-head rmsnorm on
     strided [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and Triton's where it
     is installed: q/k norms, RoPE and the KV store in one kernel (layers/qk_rope_store.py), a decode's projections of
-    at most 16 rows through the skinny GEMM (layers/skinny_gemm.py)."""
+    at most 16 rows through the skinny GEMM (layers/skinny_gemm.py); and on sm90 the narrow projections (N <= K) of up
+    to 128 rows through a CUTLASS kernel built on first use (layers/narrow_gemm.py)."""
 
     def __init__(self) -> None:
         import flashinfer
@@ -141,6 +142,8 @@ class FlashInferOps(TorchOps):
         # bucket's M (cuBLAS), and the two must agree bit for bit; a decode graph's M is the eager batch's bucket
         config = skinny_gemm.choose(x, weight) if self.triton and not forwarding_prefill() else None
         if config is None:
+            if narrow_gemm.supports(x, weight, bias, act):  # o_proj and down up to 128 rows, on sm90
+                return narrow_gemm.narrow_gemm(x if act is None else self.act_and_mul(x, act), weight)
             return super().linear(x, weight, bias, act)
         if act is not None and x.shape[0] > 1:
             # every program forms the activation of all M rows itself: measured in a qwen3-0.6b decode graph on the
