@@ -75,10 +75,12 @@ def git_commit(root: Path = REPO_ROOT) -> str:
 
 
 def source_sha256() -> str:
-    """A digest of the code that made a figure (engine/ and harness/ sources and the skinny GEMM's table): checkable
-    on any checkout, where a commit id alone can be stale (a tree copied to a GPU machine without its .git)."""
+    """A digest of the code that made a figure (engine/ and harness/ sources, the CUDA source nvcc builds and the
+    skinny GEMM's table): checkable on any checkout, where a commit id alone can be stale (a tree copied to a GPU
+    machine without its .git)."""
     root = Path(__file__).resolve().parent.parent
-    files = sorted([*root.glob("engine/**/*.py"), *root.glob("harness/**/*.py"), *root.glob("engine/**/*.json")])
+    files = sorted([*root.glob("engine/**/*.py"), *root.glob("harness/**/*.py"), *root.glob("engine/**/*.json"),
+                    *root.glob("engine/**/*.cu")])
     digest = hashlib.sha256()
     for f in files:
         digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
