@@ -60,6 +60,7 @@ class GraphRunner:
         self.prefill_graphs: Dict[Tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.hidden: Dict[Tuple[int, bool], torch.Tensor] = {}  # [T, H] each
         self.last_prefill: Tuple[int, bool] | None = None  # the key of the prefill graph replayed last
+        self.input_views: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # static_inputs, by size
         self.memory_used = 0  # device bytes the captures took (pool, outputs, wrappers' buffers)
         if not (self.graph_bs or self.prefill_tokens):
             return
@@ -181,8 +182,12 @@ class GraphRunner:
         return self.logits[bs]
 
     def static_inputs(self, size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The views the graph of this size reads: input ids, positions (int32) and KV slots (int64)."""
-        return _input_views(self.block, size)
+        """The views the graph of this size reads: input ids, positions (int32) and KV slots (int64), made once a size
+        (each view op costs host time before every launch)."""
+        views = self.input_views.get(size)
+        if views is None:
+            views = self.input_views[size] = _input_views(self.block, size)
+        return views
 
     def replays(self, batch: Batch) -> int:
         """The size of the graph a padded batch replays (its bucket or padded batch size), 0 when it runs eagerly."""
@@ -198,7 +203,7 @@ class GraphRunner:
         id 0, positions 0, 1, ... (prefill: the padding entry's sequence) or 0 (decode), the dummy slot."""
         size = self.replays(batch) or n
         host = torch.empty(4 * _aligned(size), dtype=torch.int32, pin_memory=pin_memory)
-        ids, pos, slots = (view.numpy() for view in _input_views(host, size))
+        ids, pos, slots = _input_views(host.numpy(), size)
         if size > n:
             ids[n:] = 0
             pos[n:] = np.arange(size - n) if batch.is_prefill else 0
@@ -212,11 +217,10 @@ class GraphRunner:
         size = self.replays(batch)
         if size:
             self.block[: host.shape[0]].copy_(host, non_blocking=True)
-            dev = self.block
+            views = self.static_inputs(size)
         else:
-            size, dev = n, host.to(self.device, non_blocking=True)
-        ids, pos, slots = _input_views(dev, size)
-        batch.input_ids, batch.positions, batch.out_loc = ids[:n], pos[:n], slots[:n]
+            size, views = n, _input_views(host.to(self.device, non_blocking=True), n)
+        batch.input_ids, batch.positions, batch.out_loc = views if size == n else (v[:n] for v in views)
 
     def gather_decode_inputs(self, batch: Batch, flat: torch.Tensor, positions: torch.Tensor,
                              token_pool: torch.Tensor) -> None:
@@ -228,10 +232,10 @@ class GraphRunner:
         if size:  # (graphs exist only on CUDA, where Triton is)
             from engine.graph_inputs import gather_decode_inputs
 
-            ids, pos, slots = self.static_inputs(size)
-            gather_decode_inputs(flat, positions, token_pool, page_table, ids, pos, slots, self.dummy_slot)
+            views = self.static_inputs(size)
+            gather_decode_inputs(flat, positions, token_pool, page_table, *views, self.dummy_slot)
             n = flat.shape[0]
-            batch.input_ids, batch.positions, batch.out_loc = ids[:n], pos[:n], slots[:n]
+            batch.input_ids, batch.positions, batch.out_loc = views if size == n else (v[:n] for v in views)
             return
         batch.input_ids = token_pool.view(-1).index_select(0, flat)
         batch.out_loc = page_table.view(-1).index_select(0, flat)  # int32 (converted when used)
@@ -272,7 +276,9 @@ def _aligned(size: int) -> int:
     return -(-size // 4) * 4
 
 
-def _input_views(block: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [size] | positions [size] | slots [size] int64 in an int32 block, each part 16-byte aligned."""
+def _input_views(block: Any, size: int) -> Tuple[Any, Any, Any]:
+    """ids [size] | positions [size] | slots [size] int64 in an int32 block (a tensor, or a host buffer's numpy
+    array), each part 16-byte aligned."""
     r = _aligned(size)
-    return block[:size], block[r: r + size], block[2 * r: 2 * r + 2 * size].view(torch.int64)
+    slots = block[2 * r: 2 * r + 2 * size]
+    return block[:size], block[r: r + size], slots.view(np.int64 if isinstance(block, np.ndarray) else torch.int64)

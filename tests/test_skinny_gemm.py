@@ -147,6 +147,30 @@ def test_fused_ops_take_few_rows_where_the_table_or_rule_says_and_match_cublas()
 
 
 @pytest.mark.cuda
+def test_lm_head_takes_the_skinny_gemm_in_a_prefill_where_a_projection_does_not():
+    """The LM head runs after the prefill graphs, on the batch's own rows in the eager and the graph forward alike, so
+    in a prefill it takes the skinny GEMM as a decode does; a layer's projection there stays on cuBLAS (a prefill
+    graph's M is its bucket, an eager prefill's its tokens)."""
+    from engine.core import Batch, Context, set_global_ctx
+    from engine.layers.ops import FlashInferOps
+
+    pytest.importorskip("flashinfer")
+    ops = FlashInferOps()
+    w = torch.randn(32000, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    config = sg.choose(x, w)
+    assert config is not None  # no measured entry for this vocabulary: the rule takes one row
+    ctx = Context(1)
+    set_global_ctx(ctx)
+    try:
+        with ctx.forward_batch(Batch(reqs=[], phase="prefill")):
+            assert torch.equal(ops.lm_head(x, w), sg.skinny_gemm(x, w, config=config))
+            assert torch.equal(ops.linear(x, w), F.linear(x, w))
+    finally:
+        set_global_ctx(None)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_fused_ops_down_projection_with_the_activation_matches_the_unfused_pair(act):
     """ops.linear(gate | up, act=...) at 1 row (the activation inside the skinny GEMM) and at 3 (FlashInfer's

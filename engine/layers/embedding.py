@@ -43,4 +43,4 @@ class ParallelLMHead(nn.Module):
 
 def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, ops: TorchOps) -> torch.Tensor:
     """hidden [N, H] -> logits [N, vocab_size], gathered over ranks with the padding rows cut off."""
-    return tp_all_gather_last_dim(ops.linear(hidden, weight))[:, :vocab_size]
+    return tp_all_gather_last_dim(ops.lm_head(hidden, weight))[:, :vocab_size]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from engine.utils.device import programmatic_launch
+from engine.utils.device import programmatic_launch, sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +73,21 @@ def narrow_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     m, (n, k) = x.shape[0], weight.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     index = _index(x)
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = sm_count(index)
     lib = _library()
-    assert lib.narrow_gemm_workspace(m, n, k, sms) == 0, "the persistent schedule needs no workspace"
+    _check_no_workspace(m, n, k, sms)
     rc = lib.narrow_gemm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k, sms, None,
                          torch.cuda.current_stream(x.device).cuda_stream, int(programmatic_launch(index)))
     if rc:
         raise RuntimeError(f"narrow_gemm failed ({rc}: 1 not implemented, 2 initialisation, 3 launch) at M {m}, "
                            f"N {n}, K {k}")
     return y
+
+
+@functools.cache
+def _check_no_workspace(m: int, n: int, k: int, sms: int) -> None:
+    """Once a shape: the kernel is called without a workspace, which its persistent schedule never asks for."""
+    assert _library().narrow_gemm_workspace(m, n, k, sms) == 0, "the persistent schedule needs no workspace"
 
 
 def _index(x: torch.Tensor) -> int:

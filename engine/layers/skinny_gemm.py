@@ -38,7 +38,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from engine.utils.device import programmatic_launch
+from engine.utils.device import programmatic_launch, sm_count
 
 MAX_ROWS = 16
 TABLE = Path(__file__).with_name("skinny_gemm_tuned.json")
@@ -114,8 +114,7 @@ def _table(device_name: str) -> Dict[str, Config | None]:
 
 @functools.cache
 def _device_facts(index: int) -> Tuple[str, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
+    return torch.cuda.get_device_name(index), sm_count(index)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

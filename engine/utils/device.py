@@ -118,6 +118,12 @@ def physical_cores() -> int:
 
 
 @functools.cache
+def sm_count(index: int) -> int:
+    """The CUDA device's multiprocessor count, asked once (get_device_properties builds a Python object a call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
 def programmatic_launch(index: int) -> bool:
     """Whether the engine's Triton kernels on this CUDA device launch with programmatic dependent launch (PDL, sm90
     and later): a kernel may start while the one before it finishes, doing what reads only constant data (a
