@@ -93,9 +93,9 @@ class TorchOps:
 class FlashInferOps(TorchOps):
     """One fused kernel per op (CUDA, fp16/bf16), FlashInfer's: rmsnorm, fused_add_rmsnorm, per-head rmsnorm on
     strided [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and Triton's where it
-    is installed: q/k norms, RoPE and the KV store in one kernel (layers/qk_rope_store.py), a decode's projections of
-    at most 16 rows through the skinny GEMM (layers/skinny_gemm.py); and on sm90 the narrow projections (N <= K) of up
-    to 128 rows through a CUTLASS kernel built on first use (layers/narrow_gemm.py)."""
+    is installed: q/k norms, RoPE and the KV store in one kernel (layers/qk_rope_store.py), a decode's projections and
+    any LM head of at most 16 rows through the skinny GEMM (layers/skinny_gemm.py); and on sm90 the narrow projections
+    (N <= K) of up to 128 rows through a CUTLASS kernel built on first use (layers/narrow_gemm.py)."""
 
     def __init__(self) -> None:
         import flashinfer

@@ -25,8 +25,8 @@ Configurations (BLOCK_N, BLOCK_K, num_warps) come from a table measured on the d
 harness.bench.tune_gemm`: skinny_gemm_tuned.json, keyed by device name and "M,N,K" with M rounded up to a power of
 two; null where cuBLAS was faster, so the kernel runs only where it paid), else from a rule. Rows are independent and
 a row's sum order depends only on the configuration, which depends only on (BLOCK_M, N, K): a decode batch padded to
-a CUDA-graph size gets the same bits as the eager batch (a prefill graph's bucket would not: ops.py keeps prefill on
-cuBLAS).
+a CUDA-graph size gets the same bits as the eager batch (a prefill graph's bucket would not: ops.py keeps a prefill's
+projections off it, but not its LM head, which runs after the graph on the batch's own rows).
 """
 
 from __future__ import annotations
