@@ -219,8 +219,8 @@ class GraphRunner:
             self.block[: host.shape[0]].copy_(host, non_blocking=True)
             views = self.static_inputs(size)
         else:
-            size, views = n, _input_views(host.to(self.device, non_blocking=True), n)
-        batch.input_ids, batch.positions, batch.out_loc = views if size == n else (v[:n] for v in views)
+            views = _input_views(host.to(self.device, non_blocking=True), n)
+        batch.input_ids, batch.positions, batch.out_loc = _first(views, n)
 
     def gather_decode_inputs(self, batch: Batch, flat: torch.Tensor, positions: torch.Tensor,
                              token_pool: torch.Tensor) -> None:
@@ -234,8 +234,7 @@ class GraphRunner:
 
             views = self.static_inputs(size)
             gather_decode_inputs(flat, positions, token_pool, page_table, *views, self.dummy_slot)
-            n = flat.shape[0]
-            batch.input_ids, batch.positions, batch.out_loc = views if size == n else (v[:n] for v in views)
+            batch.input_ids, batch.positions, batch.out_loc = _first(views, flat.shape[0])
             return
         batch.input_ids = token_pool.view(-1).index_select(0, flat)
         batch.out_loc = page_table.view(-1).index_select(0, flat)  # int32 (converted when used)
@@ -282,3 +281,8 @@ def _input_views(block: Any, size: int) -> Tuple[Any, Any, Any]:
     r = _aligned(size)
     slots = block[2 * r: 2 * r + 2 * size]
     return block[:size], block[r: r + size], slots.view(np.int64 if isinstance(block, np.ndarray) else torch.int64)
+
+
+def _first(views: Tuple[torch.Tensor, ...], n: int) -> Tuple[torch.Tensor, ...]:
+    """The first n rows of each view: the views themselves when they hold n (no view op, which costs host time)."""
+    return views if len(views[0]) == n else tuple(v[:n] for v in views)

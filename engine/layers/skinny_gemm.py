@@ -112,11 +112,6 @@ def _table(device_name: str) -> Dict[str, Config | None]:
     return {key: None if v is None else tuple(v) for key, v in entries.items()}
 
 
-@functools.cache
-def _device_facts(index: int) -> Tuple[str, int]:
-    return torch.cuda.get_device_name(index), sm_count(index)
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_gemm can take this call: 2-D x of at most MAX_ROWS rows with unit stride along K (K or 2K
     columns: gate | up, for a gated activation fused in), a contiguous half-precision weight of x's dtype, on CUDA."""
@@ -137,12 +132,11 @@ def choose(x: torch.Tensor, weight: torch.Tensor) -> Config | None:
 @functools.cache
 def _choice(bm: int, n: int, k: int, device_index: int) -> Config | None:
     """choose's answer, once per shape and device (every eager decode asks it for every projection)."""
-    name, sms = _device_facts(device_index)
-    table = _table(name)
+    table = _table(torch.cuda.get_device_name(device_index))
     key = f"{bm},{n},{k}"
     if key in table:
         return table[key]
-    return default_config(bm, n, k, sms) if bm <= DEFAULT_MAX_BLOCK_M else None
+    return default_config(bm, n, k, sm_count(device_index)) if bm <= DEFAULT_MAX_BLOCK_M else None
 
 
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
@@ -156,7 +150,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     m, (n, k) = x.shape[0], weight.shape
     assert x.shape[1] == (2 * k if act else k), f"x {tuple(x.shape)} for a weight {tuple(weight.shape)}, act {act}"
     bm = block_m(m)
-    bn, bk, warps = config or default_config(bm, n, k, _device_facts(x.device.index or 0)[1])
+    bn, bk, warps = config or default_config(bm, n, k, sm_count(x.device.index or 0))
     assert fits(bm, (bn, bk, warps)), f"configuration {(bn, bk, warps)} holds too many accumulators for {bm} rows"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = x.is_cuda and programmatic_launch(x.device.index if x.device.index is not None else 0)
