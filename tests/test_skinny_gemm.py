@@ -83,16 +83,17 @@ def test_gated_activation_fused_in_matches_float64(m, n, k, act, seed, data):
 @given(bm=st.sampled_from([1, 2, 16]), k=st.integers(1, 1 << 14),
        bk=st.sampled_from([256, 512, 1024, 2048, 4096, 8192, 16384]))
 def test_whole_k_tiles_cover_k_once(bm, k, bk):
-    """At one row a step of bk >= K holds K as power-of-two tiles: K itself where K is a power of two, else four
-    tiles of which the last covers K's end (at most one tile wholly masked), in the step's width (the register budget
-    `fits` counts); a narrower step, or more rows, walks K."""
+    """At one row a step of bk >= K holds K as a power-of-two head and a tail rounded up to a power of two, which
+    together cover K and fit in the step's width (the register budget `fits` counts); a narrower step, or more
+    rows, walks K."""
     tiles = sg.whole_k(bm, k, bk)
     if bk < k or bm > 1:
         assert tiles is None
         return
-    tile, chunks = tiles
-    assert tile & (tile - 1) == 0 and chunks in (1, 4) and tile * chunks <= bk
-    assert (chunks == 1) == (k & (k - 1) == 0) and (tile == k if chunks == 1 else 2 * tile < k <= 4 * tile)
+    head, tail = tiles
+    assert head & (head - 1) == 0 and tail & (tail - 1) == 0 and head <= k < 2 * head
+    assert head + tail >= k and (tail == 0) == (k == head) and (tail == 0 or tail < 2 * (k - head))
+    assert head + tail <= bk
 
 
 def test_search_space_and_rule_fit_the_registers():

@@ -80,15 +80,14 @@ def search_space(bm: int, k: int) -> list[Config]:
 
 
 def whole_k(bm: int, k: int, bk: int) -> Tuple[int, int] | None:
-    """For one row, a step of bk >= K columns holds all of K at once, so the program's whole share of W is loaded
-    before it waits for x: as (tile, chunks), K's columns in `chunks` tiles of `tile`, K itself where K is a power of
-    two, else a quarter of K rounded up to a power of two, four tiles, the columns past K masked (as many registers as
-    one tile of bk). The products are then summed once over [chunks, tile]: a power-of-two head and a tail, summed
-    apart, took a second reduction after the wait (down_proj at M = 1 on the H200, 2.79 -> 2.51 us). None otherwise:
-    K walked in steps of bk (the last one masked where bk does not divide K); the whole-K form holds one row."""
+    """For one row, a step of bk >= K columns holds all of K in two tiles: (head, tail), the largest power of two
+    <= K and the rest rounded up to a power of two (0 where K is one), so no lane loads a masked column and the
+    program's whole share of W is loaded before it waits for x. None otherwise: K walked in steps of bk (the last
+    one masked where bk does not divide K); the kernel's whole-K form holds one row."""
     if bm != 1 or bk < k:
         return None
-    return (k, 1) if k == pow2_ceil(k) else (pow2_ceil(k) // 4, 4)
+    head = 1 << (k.bit_length() - 1)
+    return head, 0 if k == head else pow2_ceil(k - head)
 
 
 def default_config(bm: int, n: int, k: int, sms: int) -> Config:
@@ -156,11 +155,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     pdl = x.is_cuda and programmatic_launch(x.device.index if x.device.index is not None else 0)
     tiles = whole_k(bm, k, bk)
-    even_k = tiles[0] * tiles[1] == k if tiles else k % bk == 0
     _kernel()[(-(-n // bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=even_k, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=tiles[0] if tiles else bk, WHOLE_K=tiles is not None, CHUNKS=tiles[1] if tiles else 1,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, ACT=ACTS[act], BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=tiles[0] if tiles else bk, WHOLE_K=tiles is not None, TAIL_K=tiles[1] if tiles else 0,
         USE_PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return y
 

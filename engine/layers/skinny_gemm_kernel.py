@@ -1,7 +1,6 @@
 """The skinny GEMM's Triton kernel (skinny_gemm.py has the launch, the configurations and the reasons): each program
 takes BLOCK_N rows of W and walks K in BLOCK_K steps, accumulating x * w per lane in fp32 and reducing once; for one
-row of x (WHOLE_K) it holds all of K at once instead, as CHUNKS tiles of BLOCK_K columns (the last ones masked where
-they pass K), and still reduces once."""
+row of x (WHOLE_K) it holds all of K at once instead, as a power-of-two tile of BLOCK_K columns and a tail of TAIL_K."""
 
 import triton
 import triton.language as tl
@@ -23,9 +22,15 @@ def x_tile(x_ptrs, x_ok, K, ACT: tl.constexpr):
 
 
 @triton.jit
+def _dot_row(x, w):
+    """[BLOCK_N]: the vector x times each row of w, products in fp32, summed once."""
+    return tl.sum(x.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+
+
+@triton.jit
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, CHUNKS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr, TAIL_K: tl.constexpr,
                        USE_PDL: tl.constexpr):
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,18 +44,18 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn
     # W (WHOLE_K), else its first K step
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if WHOLE_K:  # one row (BLOCK_M == 1): K's columns as [CHUNKS, BLOCK_K] (columns past K masked), summed over both
-        cols = tl.arange(0, CHUNKS)[:, None] * BLOCK_K + rk[None, :]
-        k_ok = cols < K
-        w_ptrs3 = w_rows[:, :, None] + cols[None, :, :]
-        if EVEN_K:  # CHUNKS * BLOCK_K == K: no column to mask
-            w = tl.load(w_ptrs3, mask=col_ok[:, :, None], other=0.0, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs3, mask=col_ok[:, :, None] & k_ok[None, :, :], other=0.0, eviction_policy="evict_first")
+    if WHOLE_K:  # one row (BLOCK_M == 1), BLOCK_K <= K: the head tile needs no K mask, the tail covers the rest
+        w = tl.load(w_ptrs, mask=col_ok, other=0.0, eviction_policy="evict_first")
+        if TAIL_K:
+            rt = BLOCK_K + tl.arange(0, TAIL_K)
+            w_tail = tl.load(w_rows + rt[None, :], mask=col_ok & (rt[None, :] < K), other=0.0,
+                             eviction_policy="evict_first")
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
-        x = x_tile(x_ptr + cols, k_ok, K, ACT)
-        out = tl.sum(tl.sum(x.to(tl.float32)[None, :, :] * w.to(tl.float32), axis=1), axis=1)[None, :]  # [1, BLOCK_N]
+        out = _dot_row(x_tile(x_ptr + rk, rk < K, K, ACT), w)
+        if TAIL_K:
+            out += _dot_row(x_tile(x_ptr + rt, rt < K, K, ACT), w_tail)
+        out = out[None, :]  # [1, BLOCK_N]
     else:
         x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
         x_ok, w_ok = row_ok, col_ok
