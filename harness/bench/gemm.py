@@ -33,6 +33,11 @@ def _shapes(engine: Any) -> List[tuple]:
     return [(name, m.weight, getattr(m, "bias", None)) for name, m in modules] + [("lm_head", head, None)]
 
 
+def weight_copies(nbytes: int, device: Any) -> int:
+    """Copies of a weight of nbytes that together exceed four times the device's L2 cache."""
+    return max(1, -(-4 * torch.cuda.get_device_properties(device).L2_cache_size // nbytes))
+
+
 def _calls(weight: torch.Tensor, bias: Any, copies: int, fn: Callable) -> List[Callable[[torch.Tensor], Any]]:
     """copies calls of fn(x, w, b), each over its own copy of the weight."""
     out = []
@@ -62,11 +67,10 @@ def gemm_rows(model_name: str, engine: Any, limits: Limits) -> List[Dict[str, An
     """Each shape through the engine's own product (its ops' linear: the skinny GEMM on the fused path) and through
     cuBLAS (F.linear), in the same run on the same copies."""
     device, ops = engine.device, engine.model.ops
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
     rows = []
     for name, weight, bias in _shapes(engine):
         nbytes = weight.numel() * weight.element_size()
-        copies = max(1, -(-4 * l2 // nbytes))
+        copies = weight_copies(nbytes, device)
         x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=device)
         secs = {}
         for path, fn in (("engine", ops.linear), ("cublas", F.linear)):

@@ -23,10 +23,9 @@ from typing import Any, Dict
 
 import torch
 
-from harness.bench.profile import replay_seconds
+from harness.bench.gemm import _time_per_call, weight_copies
 from harness.report import markdown_table
 
-REPLAYS = 20
 # name: (load W before the wait, wait, load x after it)
 VARIANTS = {"W, wait, x (the skinny GEMM's order)": (True, True, True),
             "W, wait, no x": (True, True, False),
@@ -40,29 +39,19 @@ def timeline(variant: str, n: int = 1024, k: int = 2048, calls: int = 24, block_
     from harness.bench.pdl_timeline_kernel import timeline_kernel
 
     load_w, wait, load_x = VARIANTS[variant]
-    copies = max(1, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // (n * k * 2)))
+    copies = weight_copies(n * k * 2, 0)
     weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
     x = torch.randn(k, dtype=torch.bfloat16, device="cuda")
     ys = torch.empty(calls, n, dtype=torch.bfloat16, device="cuda")
     programs = n // block_n
     stamps = torch.zeros(calls, programs, 3, dtype=torch.int64, device="cuda")
 
-    def chain() -> None:
-        for i in range(calls):
-            timeline_kernel[(programs,)](x, weights[i % copies], ys[i], stamps[i], k, BLOCK_N=block_n, BLOCK_K=k,
-                                         LOAD_W=load_w, WAIT=wait, LOAD_X=load_x, num_warps=warps, launch_pdl=True)
+    def call(i: int) -> None:
+        timeline_kernel[(programs,)](x, weights[i % copies], ys[i], stamps[i], k, BLOCK_N=block_n, BLOCK_K=k,
+                                     LOAD_W=load_w, WAIT=wait, LOAD_X=load_x, num_warps=warps, launch_pdl=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    graph.replay()
-    per_call = statistics.median(replay_seconds(graph, REPLAYS)) / calls
-    graph.replay()
+    # the bench's chain timing; the stamps are its last replay's
+    per_call = _time_per_call([lambda _, i=i: call(i) for i in range(calls)], x, calls)
     torch.cuda.synchronize()
     t = stamps.cpu().double() / 1e3  # ns -> us
     t -= t[:, :, 0].min()

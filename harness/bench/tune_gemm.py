@@ -24,7 +24,7 @@ from engine.models.config import ModelConfig
 from engine.utils.device import has_triton
 from engine.utils.hf import cached_load_hf_config
 from harness import zoo
-from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call
+from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call, weight_copies
 from harness.report import markdown_table
 
 ROWS = (1, 2, 4, 8, 16)
@@ -49,9 +49,8 @@ def _time(x: torch.Tensor, fn: Callable, copies: List[torch.Tensor]) -> float:
 @torch.inference_mode()
 def tune_shape(n: int, k: int, m: int, dtype: torch.dtype, bandwidth: float) -> Dict[str, object]:
     device = torch.device("cuda")
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
     weight = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
-    copies = [weight.clone() for _ in range(max(1, -(-4 * l2 // (weight.numel() * weight.element_size()))))]
+    copies = [weight.clone() for _ in range(weight_copies(weight.numel() * weight.element_size(), device))]
     x = torch.randn(m, k, dtype=dtype, device=device)
     ref = F.linear(x.double(), weight.double())
     bound = 2 * (F.linear(x, weight).double() - ref).abs().max().item() + 1e-2
