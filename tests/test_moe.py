@@ -279,4 +279,4 @@ def test_bench_floor_counts_the_experts_a_step_touches():
     kv = cost.kv_bytes_per_token  # the token's own K and V, written
     assert cost.forward(1, 0, 0)[0] == dense + 3 * 2 * expert + kv
     assert 3 * 7.99 * expert < cost.forward(256, 0, 0)[0] - 256 * kv - dense <= 3 * 8 * expert
-    assert cost.flops_per_token == 2 * (dense + 3 * 2 * expert) // 4
+    assert cost.flops_per_token + cost.head_flops_per_row == 2 * (dense + 3 * 2 * expert) // 4

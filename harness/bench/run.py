@@ -35,7 +35,7 @@ DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 
 def _row(model: str, runner: str, workload: str, bs: int, length: int, secs: List[float], tokens: int,
-         cost: ModelCost, limits: Limits, forward: tuple[int, int, int]) -> Dict[str, Any]:
+         cost: ModelCost, limits: Limits, forward: tuple[int, ...]) -> Dict[str, Any]:
     """One measurement with its physics: tokens/s, the floor from bytes and FLOPs, achieved GB/s and TFLOP/s."""
     med = median(secs)
     p10, p90 = spread(secs)
@@ -104,11 +104,11 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
                 pairs = n * (n + 1) // 2
                 records = engine_prefill(driver, n, vocab, spec.repeats)
                 rows.append(_row(model, runner, "prefill", 1, n, [r.seconds for r in records], n, cost, limits,
-                                 (n, 0, pairs)))
+                                 (n, 0, pairs, 1)))
                 if on_gpu and runner == "engine":
                     prefills.append(_prefill_profile(model, engine, n, records))
                 secs = engine_ttft(driver, n, vocab, spec.repeats)
-                rows.append(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs)))
+                rows.append(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs, 1)))
             if runner != "engine":
                 continue
             simple = Driver(engine, overlap=False)
@@ -171,7 +171,8 @@ def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, 
     floor = 0.0
     for s in run.steps:
         pairs = s.kv_tokens if s.phase == "decode" else s.num_tokens * s.kv_tokens // max(2 * s.batch_size, 1)
-        floor += limits.floor_seconds(*cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, pairs))
+        nbytes_flops = cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, pairs, rows=s.batch_size)
+        floor += limits.floor_seconds(*nbytes_flops)
     return {"model": model, "runner": runner, "workload": name, "batch_size": len(run.steps) and max(
         s.batch_size for s in run.steps), "length": run.output_tokens, "median_s": run.seconds, "samples": 1,
             "tokens_per_s": run.output_tokens / run.seconds, "floor_s": floor or float("nan"),
@@ -192,7 +193,7 @@ def _bench_hf(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limi
     rows.append(_row(model, "hf", "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)))
     for n in tqdm(spec.prefill_lengths, desc=f"{model} HF prefill"):
         secs = hf_prefill(hf, n, vocab, spec.repeats, dev)
-        rows.append(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
+        rows.append(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2, 1)))
     run = hf_offline(hf, sub_prompts, sub_outs, dev)
     rows.append({"model": model, "runner": "hf", "workload": "offline_subset", "length": run.output_tokens,
                  "median_s": run.seconds, "samples": 1, "tokens_per_s": run.output_tokens / run.seconds})
