@@ -82,17 +82,32 @@ def test_sampling_refuses_out_with_update_reports(tmp_path: Path) -> None:
 @pytest.mark.parametrize("update", [False, True])
 def test_bench_writes_under_the_chosen_root(roots: Roots, update: bool) -> None:
     committed, build = roots
-    rows = [{"model": "m", "runner": runner, "workload": workload, "batch_size": 1, "length": 8, "median_s": s,
-             "tokens_per_s": 1 / s, "floor_s": 0.01, "fraction_of_floor": 0.01 / s}
-            for workload in ("decode", "decode_ctx", "prefill") for runner, s in (("engine", 0.02), ("hf", 0.04))]
-    result = {"device": "cpu", "dtype": "float32", "rows": rows, "limits": {"bandwidth": 1e10, "matmul_flops": 1e11},
-              "spec": {"offline": (4, 1, 8), "hf_offline": (2, 4)}}
-    text = write_bench_report(result, update=update)
+    text = write_bench_report(_bench_result(["m"]), update=update)
     written, untouched = (committed, build) if update else (build, committed)
-    assert files(written) == [f"bench/cpu/{f}" for f in ("bench.csv", "bench.json", "decode.png", "decode_ctx.png",
-                                                          "prefill.png", "summary.md")]
+    assert files(written) == [f"bench/cpu/m/{f}" for f in ("bench.csv", "bench.json", "decode.png", "decode_ctx.png",
+                                                            "prefill.png", "summary.md")]
     assert not untouched.exists()
-    assert str(written / "bench/cpu/summary.md") in text
+    assert str(written / "bench/cpu/m/summary.md") in text
+
+
+def _bench_result(models: List[str]) -> dict:
+    rows = [{"model": m, "runner": runner, "workload": workload, "batch_size": 1, "length": 8, "median_s": s,
+             "tokens_per_s": 1 / s, "floor_s": 0.01, "fraction_of_floor": 0.01 / s} for m in models
+            for workload in ("decode", "decode_ctx", "prefill") for runner, s in (("engine", 0.02), ("hf", 0.04))]
+    return {"device": "cpu", "dtype": "float32", "rows": rows, "limits": {"bandwidth": 1e10, "matmul_flops": 1e11},
+            "spec": {"offline": (4, 1, 8), "hf_offline": (2, 4)}}
+
+
+def test_a_bench_of_several_models_writes_one_folder_per_model(roots: Roots) -> None:
+    """One rule whatever the run's models: a model's figures are in bench/<device>/<model>/, holding its rows only,
+    so a run of one model never leaves another's folder stale beside it."""
+    committed, _ = roots
+    write_bench_report(_bench_result(["a", "b"]), update=True)
+    for model in ("a", "b"):
+        csv = (committed / "bench" / "cpu" / model / "bench.csv").read_text().splitlines()
+        assert len(csv) == 7 and all(line.startswith(f"{model},") for line in csv[1:])
+    write_bench_report(_bench_result(["b"]), update=True)
+    assert sorted(p.name for p in (committed / "bench" / "cpu").iterdir()) == ["a", "b"]
 
 
 def test_a_figure_is_not_credited_to_a_commit_whose_code_it_did_not_run(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Benchmark reports: <reports>/bench/<device>/{bench.csv, bench.json, summary.md, *.png}; <reports> is
-build/reports unless the committed reports/ are asked for (harness.report.report_root)."""
+"""Benchmark reports, one folder per model whatever the run's models: <reports>/bench/<device>/<model>/{bench.csv,
+bench.json, summary.md, *.png}, so a model's latest figures have one place; <reports> is build/reports unless the
+committed reports/ are asked for (harness.report.report_root)."""
 
 from __future__ import annotations
 
@@ -223,10 +224,30 @@ def _plots(rows: List[Dict[str, Any]], out: Path) -> List[str]:
     return made
 
 
+PER_MODEL = ("rows", "profiles", "prefill_profiles", "gemms")  # the result's lists, each row naming its model
+
+
+def model_result(result: Dict[str, Any], model: str) -> Dict[str, Any]:
+    """The part of a run's result that is one model's."""
+    return dict(result, **{k: [r for r in result.get(k, []) if r.get("model") == model] for k in PER_MODEL})
+
+
+def report_dir(device: str, model: str, update: bool) -> Path:
+    return report_root(update) / "bench" / device.split(":")[0] / model
+
+
 def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
+    """One report per model of the run; returns what to print."""
+    lim = result["limits"]
+    lines = [f"bench on {result['device']}: {lim['bandwidth'] / 1e9:.1f} GB/s, {lim['matmul_flops'] / 1e12:.2f} TFLOP/s"]
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        lines += _write_model_report(model_result(result, model), report_dir(result["device"], model, update), update)
+    return "\n".join(lines)
+
+
+def _write_model_report(result: Dict[str, Any], out: Path, update: bool) -> List[str]:
     import pandas as pd
 
-    out = report_root(update) / "bench" / result.get("name", result["device"].split(":")[0])
     out.mkdir(parents=True, exist_ok=True)
     rows = result["rows"]
     frame = pd.DataFrame(rows)
@@ -238,11 +259,14 @@ def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
     plots = _plots(rows, out)
     lim = result["limits"]
     md = (f"# Benchmarks on {prov['device_name']} ({result['dtype']})\n\n"
+          + (f"{result['note']}\n\n" if result.get("note") else "") +
           f"Measured in this run: bandwidth {lim['bandwidth'] / 1e9:.1f} GB/s (a large device copy, read + write), "
           f"matmul {lim['matmul_flops'] / 1e12:.2f} TFLOP/s ({result['dtype']}). A floor is max(bytes / bandwidth, "
           "FLOPs / matmul rate) for what the forward must move: every weight once (the embedding as the LM head; of a "
           "mixture of experts, the experts the step touches: E (1 - (1 - k/E)^tokens) per layer under uniform "
-          "routing, k at batch 1, about all at large batches), the KV it reads and writes. fraction_of_floor = "
+          "routing, k at batch 1, about all at large batches), the KV it reads and writes; FLOPs: every matmul, the LM "
+          "head's on the rows that get logits (a prefill's last token; HF's forward, every position). The matmul "
+          "rate is the best of several large GEMMs in this process. fraction_of_floor = "
           "floor / measured (1.0 would be the limit). The engine is "
           "timed through the driver (host preparation, forward, sampling, the tokens' way back; engine-simple is the "
           "driver's loop without overlap). HF generate on the same model, dtype and inputs: `hf` eager (sdpa), "
@@ -263,8 +287,6 @@ def write_bench_report(result: Dict[str, Any], update: bool = False) -> str:
           + "".join(f"![{p}]({p})\n" for p in plots) +
           f"\n## Provenance\n{provenance_markdown(prov)}")
     (out / "summary.md").write_text(md)
-    lines = [f"bench on {result['device']}: {lim['bandwidth'] / 1e9:.1f} GB/s, {lim['matmul_flops'] / 1e12:.2f} TFLOP/s"]
     verdict = {True: "met", False: "NOT met", "-": "-"}
-    lines += [f"  {t['model']}: {t['target']}: {t['reached']} ({verdict[t['met']]})" for t in tgt]
-    lines.append(written_to(out / "summary.md", update))
-    return "\n".join(lines)
+    return ([f"  {t['model']}: {t['target']}: {t['reached']} ({verdict[t['met']]})" for t in tgt]
+            + [written_to(out / "summary.md", update)])

@@ -5,8 +5,8 @@ same model, dtype and workload (eager, and on CUDA with a static cache compiled 
 large copy for bandwidth, a large matmul for FLOP/s) measured on the same device. On CUDA each decode batch size is
 also profiled (and each prefill length): kernels per step, the graph replay's GPU time and the host's time by part,
 which name the bound.
-Writes build/reports/bench/<device>/ (reports/bench/<device>/ with --update-reports): bench.csv, bench.json,
-summary.md, *.png.
+Writes build/reports/bench/<device>/<model>/ for each model (reports/bench/<device>/<model>/ with
+--update-reports): bench.csv, bench.json, summary.md, *.png.
 """
 
 from __future__ import annotations
@@ -221,10 +221,8 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
     for model in models:
         r, p, g, f = bench_model(model, str(dev), spec, limits, with_hf)
         rows, profiles, gemms, prefills = rows + r, profiles + p, gemms + g, prefills + f
-    # a run of other models than the defaults reports beside the default one, not over it
-    name = dev.type if models == DEFAULT_MODELS[dev.type] else "-".join([dev.type, *models])
     return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
-            "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms, "name": name}
+            "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms}
 
 
 def command(args: argparse.Namespace) -> int:
