@@ -45,7 +45,8 @@ def test_the_default_root_is_git_ignored() -> None:
 def test_plain_parity_run_writes_under_build_reports(roots: Roots, capsys: pytest.CaptureFixture) -> None:
     committed, build = roots
     assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--no-sampling"]) == 0
-    assert files(build) == ["parity/tiny-qwen3/cpu-float32.json", "parity/tiny-qwen3/cpu-float32.md"]
+    assert files(build) == ["parity/tiny-qwen3/cpu-float32.json", "parity/tiny-qwen3/cpu-float32.md",
+                          "parity/tiny-qwen3/cpu-float32.png"]
     assert not committed.exists()
     assert f"report: {build / 'parity/tiny-qwen3/cpu-float32.md'} (not committed" in capsys.readouterr().out
 
@@ -55,6 +56,7 @@ def test_parity_with_update_reports_writes_the_committed_reports(roots: Roots, o
     committed, build = roots
     assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--update-reports"]) == 0
     assert files(committed) == ["parity/tiny-qwen3/cpu-float32.json", "parity/tiny-qwen3/cpu-float32.md",
+                                "parity/tiny-qwen3/cpu-float32.png",
                                 "sampling/cpu/sampling.json", "sampling/cpu/sampling.md"]
     assert not build.exists()
 

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 from harness.parity.gate import ParityResult
 from harness.parity.gate import __doc__ as rule
 from harness.parity.paths import PATHS
+from harness.parity.plot import plot_errors
 from harness.report import (markdown_table, provenance, provenance_markdown, report_root, text_table, write_json,
                             written_to)
 
@@ -120,6 +121,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
           f"## Provenance\n{provenance_markdown(prov)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
+    plot_errors(result, out.with_suffix(".png"))
     write_json(out.with_suffix(".json"), {"provenance": prov, "tol": result.tol, "hf_spread": result.hf_spread,
                                           "tie_tol": result.tie_tol, "hf_spread_stats": result.hf_stats,
                                           **({} if result.router_tie is None else {"router_tie": result.router_tie}),
