@@ -18,7 +18,7 @@ OTHER = ("indexSelect", "vectorized_gather", "page_ids", "sm90_schedule")
 
 def _profiled_kernels() -> list[str]:
     names = set()
-    for path in REPORTS.glob("cuda-*/bench.json"):
+    for path in REPORTS.glob("cuda/*/bench.json"):
         report = json.loads(path.read_text())
         for section in ("profiles", "prefill_profiles"):
             for profile in report.get(section, []):
