@@ -72,3 +72,12 @@ def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
     assert broken_links(documents(tmp_path)) == ["README.md: docs/b.md: no such file",
                                                  "README.md: docs/a.md#nothing: no such heading in a.md",
                                                  "README.md: #nor-here: no such heading in README.md"]
+
+
+def test_the_perf_log_is_newest_first_and_dated() -> None:
+    """Each entry of docs/perf-log.md is headed `## YYYY-MM-DD, <commit>: ...`, the dates never increasing."""
+    heads = [line for line in (ROOT / "docs" / "perf-log.md").read_text().splitlines() if line.startswith("## ")]
+    dated = [re.match(r"## (\d{4}-\d{2}-\d{2}), ([0-9a-f]{7,40}): \S", h) for h in heads]
+    assert heads and all(dated), [h for h, m in zip(heads, dated) if not m]
+    dates = [m.group(1) for m in dated]
+    assert dates == sorted(dates, reverse=True)
