@@ -46,7 +46,7 @@ def golden(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Throughput and latency beside HF and the hardware's limit, into build/reports/bench/<device>/ (reports/ with
+    """Throughput and latency beside HF and the hardware's limit, into build/reports/bench/<device>/<model>/ (reports/ with
     `-- --update-reports`); on the CPU also the pytest-benchmark micro-benchmarks, whose JSON follows the same rule
     (compare a change with --benchmark-compare against it). `-- --against main` instead compares this tree with
     another revision in one run (against.md beside the bench report)."""

@@ -5,7 +5,7 @@
 # golden and parity cover bf16 and fp32 for the given models (default: the GPU golden models); spread measures HF's
 # sdpa-vs-eager spread again on each committed bf16 golden (its provenance only); tp runs parity with 2 ranks over
 # NCCL when 2 GPUs are visible; bench-moe measures the qwen3-30b-a3b shape (dummy weights, 61 GB) into
-# reports/bench/cuda-qwen3-30b-a3b/; fuzz runs the scheduling fuzzer on tiny-qwen3 for FUZZ_BUDGET seconds (default
+# reports/bench/cuda/qwen3-30b-a3b/; fuzz runs the scheduling fuzzer on tiny-qwen3 for FUZZ_BUDGET seconds (default
 # 240; FUZZ_ARGS adds options, e.g. "--plant graph-plan-keyed-on-rows"); resolution measures the smallest planted
 # fault each check detects (RESOLUTION_ARGS, default: bf16 and fp32 parity of SmolLM2 and tiny-qwen3 and the
 # component checks, about 6 minutes on an H200). Results land in golden/ and reports/ (--update-reports).

@@ -3,7 +3,7 @@ written into the KV pool at their slots, in Triton.
 
 Unfused, these are four kernels a layer (q norm, k norm, RoPE, the KV append), each reading and writing the heads again;
 at a batch-1 decode step of a 0.6B model on the H200 they took 187 us of a 1.36 ms step, most of it launch and tail,
-where this kernel takes 58 us (reports/bench/cuda-qwen3-0.6b). One program takes one head of BLOCK_T tokens: it loads
+where this kernel takes 58 us (reports/bench/cuda/qwen3-0.6b). One program takes one head of BLOCK_T tokens: it loads
 each token's two halves once, normalizes them in fp32 (weight product in fp32, one rounding, as FlashInfer's rmsnorm),
 rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.rope_table: HF's cos/sin rounded to the
 model dtype) and rounds once, as FlashInfer's RoPE does; a q or k head is written back in place (a prompt's attention
