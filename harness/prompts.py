@@ -57,7 +57,7 @@ def read_file(path: Path) -> PromptSet:
     try:
         whole = json.loads(text)
         items = whole if isinstance(whole, list) else [whole]
-        lines = [1] * len(items)
+        lines: List[int | None] = [None] * len(items)
     except ValueError:
         numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         items, lines = [], []
@@ -69,7 +69,8 @@ def read_file(path: Path) -> PromptSet:
             lines.append(n)
     if not items:
         raise UserError(f"--prompts {path} holds no prompt; {FORMAT}")
-    prompts = [_entry(item, i, f"--prompts {path}: line {n}") for i, (item, n) in enumerate(zip(items, lines))]
+    prompts = [_entry(item, i, f"--prompts {path}" + (f": line {n}" if n else ""))
+               for i, (item, n) in enumerate(zip(items, lines))]
     names = [p["name"] for p in prompts]
     if len(set(names)) != len(names):
         raise UserError(f"--prompts {path}: two prompts are named {next(n for n in names if names.count(n) > 1)!r}; "
