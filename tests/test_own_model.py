@@ -147,8 +147,9 @@ def test_a_golden_made_from_other_prompts_is_refused(own_golden, tmp_path, capsy
 
 def test_a_missing_golden_says_how_to_make_it(tmp_path, capsys):
     folder = make_model(tmp_path / "m", "qwen3")
-    refused(capsys, ["parity", "--model-path", str(folder), "--golden-dir", str(tmp_path / "g"), "--no-sampling"],
-            f"python -m harness golden --model-path {folder} --device cpu --dtype float32 --golden-dir {tmp_path / 'g'}")
+    goldens = tmp_path / "g"
+    refused(capsys, ["parity", "--model-path", str(folder), "--golden-dir", str(goldens), "--no-sampling"],
+            f"python -m harness golden --model-path {folder} --device cpu --dtype float32 --golden-dir {goldens}")
 
 
 @pytest.mark.parametrize("verb", ["golden", "parity"])
