@@ -142,6 +142,22 @@ def require(ref: ModelRef, weights: bool = True, tokenizer: bool = True, verb: s
     return ref
 
 
+def describe(ref: ModelRef) -> str:
+    """One line: what the engine will run (from its own reading of the config) and the model's identity."""
+    c = ref.config
+    parts = [f"{c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, {c.num_qo_heads} heads and "
+             f"{c.num_kv_heads} KV heads of {c.head_dim}, vocabulary {c.vocab_size}, "
+             f"{'tied' if c.tie_word_embeddings else 'untied'} LM head, RoPE base {c.rotary_config.base:g}"]
+    if c.sliding_window is not None:
+        parts.append(f"sliding window {c.sliding_window} on {c.layer_types.count('sliding')} of {c.num_layers} layers")
+    if c.is_moe:
+        parts.append(f"{c.num_experts} experts, top {c.num_experts_per_tok}")
+    weights = f"weights sha256 {ref.weights_sha256()}" if ref.has_weights else "no weights (bench only)"
+    tok = ("tokenizer with a chat template" if ref.has_chat_template else "tokenizer without a chat template") \
+        if ref.has_tokenizer else "no tokenizer"
+    return f"{ref.name} ({ref.folder}): {'; '.join(parts)}; {weights}; {tok}"
+
+
 # --------------------------------------------------------------------------------------------------------- CLI
 def add_model_arguments(p: argparse.ArgumentParser, default_help: str, many: bool = True, golden: bool = False,
                         flag: str = "--model") -> None:
