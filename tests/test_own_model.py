@@ -11,6 +11,8 @@ from typing import Any, Dict
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from harness import golden as G
 from harness import prompts as P
@@ -42,13 +44,14 @@ PROMPTS = [{"prompt": "The capital of France is", "max_new_tokens": 6},
            {"prompt": "def fibonacci(n):", "max_new_tokens": 4, "name": "code"}]
 
 
-def make_model(folder: Path, arch: str = "qwen3", seed: int = SEED, chat_template: bool = True,
+def make_model(folder: Path, arch: str | tuple = "qwen3", seed: int = SEED, chat_template: bool = True,
                weights: bool = True, tokenizer: bool = True) -> Path:
-    """A tiny random model of ARCHS[arch] saved as save_pretrained saves it, with SmolLM2's tokenizer files."""
+    """A tiny random model of ARCHS[arch] (or of arch = (model class, config class, config fields)) saved as
+    save_pretrained saves it, with SmolLM2's tokenizer files."""
     import transformers
 
-    model_cls, config_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**COMMON, **extra, architectures=[model_cls])
+    model_cls, config_cls, extra = ARCHS[arch] if isinstance(arch, str) else arch
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra}, architectures=[model_cls])
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     if weights:
@@ -101,6 +104,32 @@ def test_every_path_on_an_untied_model_without_chat_template(tmp_path):
     assert main(["parity", "--model-path", str(folder), "--name", "mine", "--golden-dir", str(goldens),
                  "--no-sampling", "--no-report"]) == 0
     assert main(["golden", "--check", "--model-path", str(folder), "--name", "mine", "--golden-dir", str(goldens)]) == 0
+
+
+DENSE = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}
+
+
+@st.composite
+def dense_shapes(draw: st.DrawFn) -> tuple:
+    """A dense architecture with its GQA group, KV heads, head dim (not hidden / heads), tied head and depth."""
+    kv = draw(st.integers(1, 2))
+    return (draw(st.sampled_from(sorted(DENSE))), dict(
+        num_key_value_heads=kv, num_attention_heads=kv * draw(st.integers(1, 5)),
+        head_dim=draw(st.sampled_from([8, 32])),
+        hidden_size=draw(st.sampled_from([32, 48])), tie_word_embeddings=draw(st.booleans()),
+        num_hidden_layers=draw(st.integers(1, 2)), rope_theta=draw(st.sampled_from([1e4, 5e5]))))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=dense_shapes())
+def test_any_drawn_dense_shape_passes_golden_then_parity(tmp_path_factory, shape):
+    arch, extra = shape
+    tmp = tmp_path_factory.mktemp("drawn")
+    folder = make_model(tmp / "drawn", (arch, DENSE[arch], extra))
+    pfile = prompts_file(tmp, [{"prompt": "Water boils at", "max_new_tokens": 3}])
+    assert main(["golden", "--model-path", str(folder), "--golden-dir", str(tmp), "--prompts", str(pfile)]) == 0
+    assert main(["parity", "--model-path", str(folder), "--golden-dir", str(tmp), "--path", "batch", "--no-sampling",
+                 "--no-report"]) == 0, shape
 
 
 @pytest.fixture
