@@ -245,3 +245,36 @@ def test_the_weights_digest_is_cached_until_a_file_changes(tmp_path, monkeypatch
     assert zoo.cached_weights_sha256(folder) == first
     (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())  # a new mtime
     assert zoo.cached_weights_sha256(folder) == "hashed again"
+
+
+def test_fuzz_runs_a_folder_of_ones_own_against_its_golden(own_golden, capsys):
+    folder, goldens = own_golden
+    assert main(["fuzz", "--model-path", str(folder), "--golden-dir", str(goldens), "--budget", "3"]) == 0
+    assert "fuzz llama on cpu: PASS" in capsys.readouterr().out
+
+
+def test_sampling_draws_on_the_real_logits_of_a_folder(tmp_path):
+    from harness.sampling.cases import real_cases
+    from harness.sampling.run import run_grid
+
+    cases = real_cases(from_folder(make_model(tmp_path / "m", "qwen3")))
+    assert [c.name for c in cases] == ["real-temperature", "real-filters"] and cases[0].vocab == 49152
+    assert run_grid("cpu", cases=cases, max_cost=100 * 49152).passed
+
+
+def test_bench_takes_a_folder_without_weights_on_dummy_weights(tmp_path, monkeypatch):
+    from harness.bench import run
+
+    class Measured(Exception):
+        """What the bench would measure, seen: no need to measure it."""
+
+    def capture(device, models, with_hf):
+        raise Measured(models)
+
+    monkeypatch.setattr(run, "run_bench", capture)
+    folder = make_model(tmp_path / "m", "mixtral", weights=False, tokenizer=False)
+    with pytest.raises(Measured) as measured:
+        main(["bench", "--model-path", str(folder), "--model", "tiny-qwen3", "--no-hf"])
+    seen = measured.value.args[0]
+    assert [(m.name, m.has_weights, m.folder) for m in seen] == [
+        ("tiny-qwen3", True, zoo.path("tiny-qwen3")), ("m", False, folder.resolve())]
