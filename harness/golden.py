@@ -21,7 +21,7 @@ from engine.moe.base import router_margin
 from harness import UserError, check_device
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, compare_row
-# with the names only callers use (ARRAYS, IDENTITY_KEYS, GoldenError, check_identity, regenerate_command)
+# with the names only callers use (ARRAYS, IDENTITY_KEYS, GoldenError, check_identity, load, regenerate_command)
 from harness.golden_files import (ARRAYS, IDENTITY_KEYS, GoldenError, GoldenSet, PromptGolden, check_identity,
                                   expected_identity, golden_dir, load, load_checked, regenerate_command, save)
 from harness.models import GOLDEN_DIR, ModelRef, add_model_arguments, as_model, resolve_models
