@@ -22,6 +22,12 @@ class _Parser(argparse.ArgumentParser):
 def _models(args: argparse.Namespace) -> int:
     from harness import zoo
 
+    if args.action == "check":
+        from harness.models import describe, from_folder, zoo_model
+
+        for name in args.names or [zoo.DEFAULT_MODEL]:
+            print(describe(zoo_model(name) if name in zoo.MODELS else from_folder(name)))
+        return 0
     unknown = [n for n in args.names if n not in zoo.MODELS]
     if unknown:
         raise UserError(f"unknown model {unknown[0]!r}; choose one of: {', '.join(zoo.MODELS)}")
@@ -41,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors keep their traceback")
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    p = sub.add_parser("models", help="prepare, locate or list the zoo's models")
-    p.add_argument("action", choices=["prepare", "path", "list"])
-    p.add_argument("names", nargs="*", help="model names (default: smollm2-135m)")
+    p = sub.add_parser("models", help="prepare, locate or list the zoo's models; check any model folder")
+    p.add_argument("action", choices=["prepare", "path", "list", "check"],
+                   help="check: what the engine reads from a model (a zoo name or any folder), and its identity")
+    p.add_argument("names", nargs="*", help="model names, or folders for check (default: smollm2-135m)")
     p.add_argument("--force", action="store_true", help="prepare again even if cached")
     p.set_defaults(func=_models)
 

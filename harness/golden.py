@@ -1,19 +1,14 @@
-"""Golden files: HF's reference run on the fixed prompt set, stored with provenance.
+"""Golden files: HF's reference run on a prompt set, stored with provenance.
 
-golden/<model>/<device>-<dtype>/golden.npz     per prompt: prompt ids, the greedy continuation, and at every prefill
-                                               and decode position the top-K log-probabilities with their token ids
-golden/<model>/<device>-<dtype>/provenance.json versions, device, dtype, weights / tokenizer / prompt-set hashes,
-                                               HF's own spread (sdpa vs eager attention), the command
-
-Decode row j is the distribution that predicted continuation token j (row 0 is the prefill's last position).
+The files' format, their shape checks and the identity a golden must match live in harness.golden_files (imported
+here, so that harness.golden is the one import for golden files). Decode row j is the distribution that predicted
+continuation token j (row 0 is the prefill's last position).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
@@ -23,85 +18,19 @@ import torch
 from tqdm import tqdm
 
 from engine.moe.base import router_margin
-from harness import UserError, check_device, zoo
+from harness import UserError, check_device
+from harness import prompts as P
 from harness.compare import ROUTER_TIE, compare_row
+# with the names only callers use (ARRAYS, IDENTITY_KEYS, GoldenError, check_identity, load, regenerate_command)
+from harness.golden_files import (ARRAYS, IDENTITY_KEYS, GoldenError, GoldenSet, PromptGolden, check_identity,
+                                  expected_identity, golden_dir, load, load_checked, regenerate_command, save)
+from harness.models import GOLDEN_DIR, ModelRef, add_model_arguments, as_model, resolve_models
 from harness.report import provenance
 
-GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
-PROMPTS_FILE = GOLDEN_DIR / "prompts.json"
-LONG_PROMPTS_FILE = GOLDEN_DIR / "prompts-long.json"  # longer than gemma3-270m's 512-token window
-LONG_PROMPT_MODELS = ("gemma3-270m", "tiny-gemma3")
-NO_CHAT_TEMPLATE = ("gemma3-270m",)  # its GGUF carries no chat template: the chat prompt is left out
 TOP_K = 64
-NEW_TOKENS = 32
+NEW_TOKENS = P.NEW_TOKENS
+# the models golden and parity run when none is named: the set the project ships goldens for
 GOLDEN_MODELS = ("smollm2-135m", "tiny-qwen3", "tiny-qwen3-untied", "tiny-gemma3", "gemma3-270m", "tiny-qwen3-moe")
-# A golden made under other values of these is not comparable: refuse, and say how to regenerate.
-IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
-
-
-class GoldenError(UserError):
-    """A golden file that is missing, corrupt, or made for something else."""
-
-
-@dataclass
-class PromptGolden:
-    name: str
-    prompt_ids: np.ndarray  # [P] int32
-    tokens: np.ndarray  # [T] int32, HF's greedy continuation
-    prefill_ids: np.ndarray  # [P, K] int32, top-K token ids at each prompt position
-    prefill_lp: np.ndarray  # [P, K] float32, their log-probabilities
-    decode_ids: np.ndarray  # [T, K] int32
-    decode_lp: np.ndarray  # [T, K] float32
-
-
-@dataclass
-class GoldenSet:
-    prompts: List[PromptGolden]
-    provenance: Dict[str, Any]
-
-
-def golden_dir(model: str, device_type: str, dtype: str, root: Path = GOLDEN_DIR) -> Path:
-    return root / model / f"{device_type}-{dtype}"
-
-
-def regenerate_command(model: str, device_type: str, dtype: str) -> str:
-    return f"python -m harness golden --model {model} --device {device_type} --dtype {dtype}"
-
-
-def prompt_files(model: str | None = None) -> List[Path]:
-    """The prompt set of a model: the shared prompts, plus prompts longer than the window for sliding-window ones."""
-    return [PROMPTS_FILE] + ([LONG_PROMPTS_FILE] if model in LONG_PROMPT_MODELS else [])
-
-
-def load_prompts(model: str | None = None) -> List[Dict[str, Any]]:
-    prompts = [p for f in prompt_files(model) for p in json.loads(f.read_text())["prompts"]]
-    return [p for p in prompts if "chat" not in p] if model in NO_CHAT_TEMPLATE else prompts
-
-
-def prompt_set_sha256(model: str | None = None) -> str:
-    """The shared set's file hash; a model's own selection hashes the prompts it uses."""
-    if prompt_files(model) == [PROMPTS_FILE] and model not in NO_CHAT_TEMPLATE:
-        return hashlib.sha256(PROMPTS_FILE.read_bytes()).hexdigest()
-    return hashlib.sha256(json.dumps(load_prompts(model), sort_keys=True).encode()).hexdigest()
-
-
-def tokenize_prompts(tokenizer: Any, prompts: List[Dict[str, Any]]) -> List[List[int]]:
-    out = []
-    for p in prompts:
-        if "chat" in p:
-            ids = tokenizer.apply_chat_template(p["chat"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(p["text"]).input_ids
-        out.append([int(i) for i in ids])
-    return out
-
-
-def expected_identity(model: str, device_type: str, dtype: str) -> Dict[str, str]:
-    folder = zoo.path(model)
-    return {"model": model, "dtype": dtype, "device_type": device_type,
-            "weights_sha256": zoo.info(model)["weights_sha256"], "tokenizer_sha256": zoo.tokenizer_sha256(folder),
-            "prompt_set_sha256": prompt_set_sha256(model)}
 
 
 # ------------------------------------------------------------------------------------------------ HF reference
@@ -111,10 +40,11 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top.indices.int().cpu().numpy(), top.values.cpu().numpy()
 
 
-def hf_model(model: str, device: str, dtype: torch.dtype, attn: str = "sdpa") -> Any:
+def hf_model(model: ModelRef | str, device: str, dtype: torch.dtype, attn: str = "sdpa") -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(zoo.path(model), dtype=dtype, attn_implementation=attn).to(device).eval()
+    folder = as_model(model).folder
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device).eval()
 
 
 SPREAD_DEFINITION = ("per position of prompt + continuation, HF eager attention against HF sdpa on sdpa's top-K ids "
@@ -199,23 +129,26 @@ def _router_tie(hf: Any, dtype: torch.dtype) -> float | None:
 
 
 @torch.inference_mode()
-def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> GoldenSet:
-    """Run HF (sdpa attention) greedily on every prompt; measure HF's own spread with eager attention."""
+def make_golden(model: ModelRef | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                prompts: P.PromptSet | None = None) -> GoldenSet:
+    """Run HF (sdpa attention) greedily on every prompt of the set (default: the default set); measure HF's own
+    spread with eager attention."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(zoo.path(model))
-    prompts = load_prompts(model)
-    ids = tokenize_prompts(tok, prompts)
-    hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
-    # eos_token_id=[]: run all NEW_TOKENS steps; EOS handling is the driver's, tested apart
-    gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True,
-               return_dict_in_generate=True)
+    ref = as_model(model)
+    pset = prompts or P.default_set(ref)
+    tok = AutoTokenizer.from_pretrained(ref.folder)
+    ids = P.tokenize(tok, pset.prompts)
+    _check_lengths(ref, pset, ids)
+    hf, hf_eager = hf_model(ref, device, dtype), hf_model(ref, device, dtype, attn="eager")
+    # eos_token_id=[]: run every step asked for; EOS handling is the driver's, tested apart
+    gen = dict(do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     out: List[PromptGolden] = []
-    for p, pid in tqdm(list(zip(prompts, ids)), desc=f"golden {model} {device} {dtype}"):
+    for p, pid in tqdm(list(zip(pset.prompts, ids)), desc=f"golden {ref.name} {device} {dtype}"):
         x = torch.tensor([pid], device=device)
-        res = hf.generate(x, **gen)
+        res = hf.generate(x, max_new_tokens=P.new_tokens(p), **gen)
         tokens = res.sequences[0, len(pid):]
-        if len(tokens) != NEW_TOKENS:
+        if len(tokens) != P.new_tokens(p):
             raise RuntimeError(f"HF stopped after {len(tokens)} tokens on {p['name']!r}")
         prefill_ids, prefill_lp = _topk(hf(x).logits[0], TOP_K)
         decode_ids, decode_lp = _topk(torch.stack(res.logits)[:, 0], TOP_K)
@@ -224,11 +157,22 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     spread = hf_spread(hf, hf_eager, _sequences(out), device, _router_tie(hf, dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     experts = getattr(hf.config, "_experts_implementation", None) if hasattr(hf.config, "num_experts_per_tok") else None
-    prov = provenance(device, **expected_identity(model, device.split(":")[0], dtype_name),
-                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa",
-                      **_spread_provenance(spread, [p.name for p in out]),
+    prov = provenance(device, **expected_identity(ref, device.split(":")[0], dtype_name, pset),
+                      top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", prompt_source=pset.source,
+                      prompt_set=pset.prompts, **_spread_provenance(spread, [p.name for p in out]),
                       **({"experts_implementation": experts} if experts else {}))
     return GoldenSet(out, prov)
+
+
+def _check_lengths(ref: ModelRef, pset: P.PromptSet, ids: List[List[int]]) -> None:
+    """Refuse a prompt HF cannot run: no tokens, or longer with its continuation than the model's positions."""
+    limit = ref.config.rotary_config.max_position
+    for p, pid in zip(pset.prompts, ids):
+        if not pid:
+            raise UserError(f"prompt {p['name']!r} tokenizes to no tokens; give it some text")
+        if len(pid) + P.new_tokens(p) > limit:
+            raise UserError(f"prompt {p['name']!r} has {len(pid)} tokens and asks for {P.new_tokens(p)} more, beyond "
+                            f"the model's {limit} positions (max_position_embeddings); shorten it")
 
 
 @torch.inference_mode()
@@ -247,61 +191,6 @@ def refresh_spread(model: str, device: str, dtype: torch.dtype, root: Path = GOL
     return spread
 
 
-# ------------------------------------------------------------------------------------------------ file I/O
-def save(gs: GoldenSet, folder: Path, stem: str = "golden") -> None:
-    """stem "golden.obtained" writes an engine's result beside the golden, in the same format."""
-    folder.mkdir(parents=True, exist_ok=True)
-    arrays: Dict[str, np.ndarray] = {}
-    for i, p in enumerate(gs.prompts):
-        for field in ("prompt_ids", "tokens", "prefill_ids", "prefill_lp", "decode_ids", "decode_lp"):
-            arrays[f"{i}/{field}"] = getattr(p, field)
-    np.savez_compressed(folder / f"{stem}.npz", **arrays)
-    prov = dict(gs.provenance, prompt_names=[p.name for p in gs.prompts])
-    (folder / f"{stem.replace('golden', 'provenance')}.json").write_text(json.dumps(prov, indent=2) + "\n")
-
-
-def load(folder: Path) -> GoldenSet:
-    npz, prov_file = folder / "golden.npz", folder / "provenance.json"
-    for f in (npz, prov_file):
-        if not f.is_file():
-            raise GoldenError(f"missing golden file {f}")
-    try:
-        prov = json.loads(prov_file.read_text())
-        names = prov["prompt_names"]
-        with np.load(npz) as data:
-            prompts = [PromptGolden(name, *(data[f"{i}/{k}"] for k in ("prompt_ids", "tokens", "prefill_ids",
-                                                                        "prefill_lp", "decode_ids", "decode_lp")))
-                       for i, name in enumerate(names)]
-    except (ValueError, KeyError, OSError, zipfile.BadZipFile, json.JSONDecodeError) as e:
-        raise GoldenError(f"corrupt golden file in {folder}: {type(e).__name__}: {e}") from e
-    for p in prompts:
-        t, k = len(p.tokens), prov.get("top_k", TOP_K)
-        if p.prefill_ids.shape != (len(p.prompt_ids), k) or p.decode_ids.shape != (t, k) or \
-                p.prefill_lp.shape != p.prefill_ids.shape or p.decode_lp.shape != p.decode_ids.shape:
-            raise GoldenError(f"corrupt golden file {npz}: arrays of prompt {p.name!r} have inconsistent shapes")
-    return GoldenSet(prompts, prov)
-
-
-def check_identity(gs: GoldenSet, expected: Dict[str, str], folder: Path) -> None:
-    """Refuse a golden made for another model, weights, tokenizer, prompt set, dtype or device."""
-    bad = [f"{k}: golden has {gs.provenance.get(k)!r}, here {v!r}" for k, v in expected.items()
-           if gs.provenance.get(k) != v]
-    if bad:
-        cmd = regenerate_command(expected["model"], expected["device_type"], expected["dtype"])
-        raise GoldenError(f"golden {folder} was made for something else:\n  " + "\n  ".join(bad) +
-                          f"\nIf the change is intended, regenerate it: {cmd}")
-
-
-def load_checked(model: str, device_type: str, dtype: str, root: Path = GOLDEN_DIR) -> GoldenSet:
-    folder = golden_dir(model, device_type, dtype, root)
-    if not folder.exists():
-        raise GoldenError(f"no golden for {model} on {device_type} in {dtype} ({folder} is missing); make it with: "
-                          f"{regenerate_command(model, device_type, dtype)}")
-    gs = load(folder)
-    check_identity(gs, expected_identity(model, device_type, dtype), folder)
-    return gs
-
-
 # ------------------------------------------------------------------------------------------------ CLI
 def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
     """How far HF today is from the committed golden: token mismatches and log-prob error on the golden's ids."""
@@ -318,26 +207,32 @@ def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
 def _cmd(args: argparse.Namespace) -> int:
     check_device(args.device)
     dtype = getattr(torch, args.dtype)
-    models = args.model or list(GOLDEN_MODELS)
-    # the committed goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
-    committed = {m: load_checked(m, args.device, args.dtype) for m in models if args.check or args.refresh_spread}
+    refs = resolve_models(args, GOLDEN_MODELS, verb="golden")
+    given = P.read_file(args.prompts) if args.prompts else None
+    if given is not None and args.refresh_spread:
+        raise UserError("--refresh-spread measures on the golden's own sequences; leave --prompts out")
+    # the goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
+    committed = {r.name: load_checked(r, args.device, args.dtype, prompts=given) for r in refs
+                 if args.check or args.refresh_spread}
     status = 0
-    for model in models:
-        folder = golden_dir(model, args.device, args.dtype)
+    for ref in refs:
+        folder = golden_dir(ref, args.device, args.dtype)
         if args.refresh_spread:
-            spread = refresh_spread(model, args.device, dtype)
+            spread = refresh_spread(ref, args.device, dtype, root=ref.golden_root)
             for label, st in (("", spread.stats), (" (no router near tie)", spread.routed)):
                 if st is not None:
-                    print(f"{model}: HF spread over {st['positions']} positions{label}: err p99 {st['err_p99']:.3g}, "
-                          f"max {st['err_max']:.3g}; KL mean {st['kl_mean']:.3g}, p99 {st['kl_p99']:.3g}")
+                    print(f"{ref.name}: HF spread over {st['positions']} positions{label}: err p99 "
+                          f"{st['err_p99']:.3g}, max {st['err_max']:.3g}; KL mean {st['kl_mean']:.3g}, p99 "
+                          f"{st['kl_p99']:.3g}")
             print(f"  written to {folder / 'provenance.json'}")
             continue
-        fresh = make_golden(model, args.device, dtype)
+        pset = given or (P.expected_set(committed[ref.name].provenance, ref) if args.check else None)
+        fresh = make_golden(ref, args.device, dtype, pset)
         if args.check:
-            d = drift(committed[model], fresh)
+            d = drift(committed[ref.name], fresh)
             ok = d["token_mismatches"] == 0 and d["max_abs_top1_logprob_diff"] <= \
-                4 * committed[model].provenance["hf_spread_max_abs_logprob"]
-            print(f"{model}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
+                4 * committed[ref.name].provenance["hf_spread_max_abs_logprob"]
+            print(f"{ref.name}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
             status |= 0 if ok else 1
         else:
             save(fresh, folder)
@@ -347,7 +242,11 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("golden", help="run HF on the prompt set and write (or --check) golden files")
-    p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(GOLDEN_MODELS)}")
+    add_model_arguments(p, ", ".join(GOLDEN_MODELS), golden=True)
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="the prompts: a JSON list of strings, or JSON lines of {\"prompt\": ..., \"max_new_tokens\": "
+                        "...}; the golden records them (default: golden/prompts.json, and golden/prompts-long.json "
+                        "for a model with a sliding window)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     what = p.add_mutually_exclusive_group()

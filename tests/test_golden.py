@@ -53,7 +53,8 @@ def test_golden_made_for_something_else_is_refused(golden_copy, key):
         run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "missing-array", "no-provenance"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "missing-array", "no-provenance",
+                                    "decode-lp-shape"])
 def test_corrupt_golden_is_refused_naming_the_file(golden_copy, damage):
     folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
     npz = folder / "golden.npz"
@@ -65,10 +66,61 @@ def test_corrupt_golden_is_refused_naming_the_file(golden_copy, damage):
         with np.load(npz) as d:
             arrays = {k: d[k] for k in d.files if k != "3/decode_lp"}
         np.savez_compressed(npz, **arrays)
-    else:
+    elif damage == "no-provenance":
         (folder / "provenance.json").unlink()
+    else:  # the decode log-probabilities of one prompt a step short of the provenance's new_tokens
+        _rewrite(npz, lambda arrays: arrays.update({"3/decode_lp": arrays["3/decode_lp"][:-1]}))
     with pytest.raises(G.GoldenError, match=str(folder)):
         run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
+
+
+def _rewrite(npz, change) -> None:
+    with np.load(npz) as d:
+        arrays = {k: d[k] for k in d.files}
+    change(arrays)
+    np.savez_compressed(npz, **arrays)
+
+
+@pytest.mark.parametrize("array", G.ARRAYS)
+@pytest.mark.parametrize("damage", ["row-short", "wrong-dtype"])
+def test_every_array_is_checked_against_the_provenance(golden_copy, array, damage):
+    """Each array of a prompt, one row short (or a column short, for the prompt and the continuation) or of the other
+    kind (float ids, integer log-probabilities), is refused, naming the file and the array."""
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
+    key = f"3/{array}"
+
+    def change(arrays):
+        a = arrays[key]
+        if damage == "row-short":
+            arrays[key] = a[:-1]
+        else:
+            arrays[key] = a.astype(np.int32 if a.dtype.kind == "f" else np.float32)
+
+    _rewrite(folder / "golden.npz", change)
+    named = "prefill_ids" if (array, damage) == ("prompt_ids", "row-short") else array  # P is the prompt's length
+    with pytest.raises(G.GoldenError, match=rf"{folder}.*prompt '.*': {named} is "):
+        G.load(folder)
+
+
+def test_a_golden_shorter_than_its_provenance_is_refused(golden_copy):
+    """The continuation, its decode ids and log-probabilities all one step short agree with each other, but not with
+    the provenance's new_tokens."""
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
+
+    def change(arrays):
+        for k in ("tokens", "decode_ids", "decode_lp"):
+            arrays[f"0/{k}"] = arrays[f"0/{k}"][:-1]
+
+    _rewrite(folder / "golden.npz", change)
+    with pytest.raises(G.GoldenError, match=r"tokens is int32 of shape \(31,\).*shape \(32,\)"):
+        run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
+
+
+def test_an_array_of_no_prompt_is_refused(golden_copy):
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
+    _rewrite(folder / "golden.npz", lambda arrays: arrays.update({"99/tokens": arrays["0/tokens"]}))
+    with pytest.raises(G.GoldenError, match=r"99/tokens.*belong to no prompt"):
+        G.load(folder)
 
 
 def test_regeneration_rewrites_the_golden(golden_copy):

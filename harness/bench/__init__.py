@@ -9,14 +9,13 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from harness import zoo
+    from harness.models import add_model_arguments
     from harness.report import add_update_flag
 
     p = sub.add_parser("bench", help="throughput and latency beside HF and the hardware's limit")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--model", action="append", choices=list(zoo.MODELS),
-                   help="default: smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m "
-                        "on cuda")
+    add_model_arguments(p, "smollm2-135m and gemma3-270m on cpu; qwen3-0.6b (dummy weights) and smollm2-135m on "
+                           "cuda; a folder without weights runs on dummy weights")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peers (their ratios are then missing)")
     p.add_argument("--against", metavar="REF",
                    help="instead: compare this tree with REF (a git revision or a folder holding another checkout), "

@@ -21,10 +21,13 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 from harness.bench.ab_stats import rounds_ratio
 from harness.report import REPO_ROOT, markdown_table, provenance, provenance_markdown, text_table, write_json
+
+if TYPE_CHECKING:
+    from harness.models import ModelRef
 
 RUNNER = Path(__file__).with_name("ab_runner.py")
 # run the runner by path without putting its folder first on sys.path (its siblings would shadow modules)
@@ -142,12 +145,9 @@ class Side:
         self.log.close()
 
 
-def _setup(model: str, device: str, spec: AgainstSpec) -> Dict[str, Any]:
-    from harness import zoo
-
-    zoo.prepare(model)
+def _setup(model: ModelRef, device: str, spec: AgainstSpec) -> Dict[str, Any]:
     seq = max(spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths) + 64
-    return {"model_path": str(zoo.path(model)), "dummy_weights": not zoo.MODELS[model].has_weights,
+    return {"model_path": str(model.folder), "dummy_weights": not model.has_weights,
             "device": device, "dtype": DTYPES[device.split(":")[0]], "max_running_req": max(spec.decode_bs),
             "max_seq_len": seq, "num_pages": max(spec.decode_bs) * seq + seq}
 
@@ -207,12 +207,15 @@ def compare_rows(model: str, spec: AgainstSpec, rounds: List[Dict[str, List[List
     return rows
 
 
-def run_against(ref: str, device: str, models: List[str], spec: AgainstSpec, out_dir: Path) -> Dict[str, Any]:
+def run_against(ref: str, device: str, models: List[ModelRef | str], spec: AgainstSpec,
+                out_dir: Path) -> Dict[str, Any]:
     """Compare this tree ("new") with REF ("ref") on each model; writes against.md and against.json into out_dir."""
+    from harness.models import as_model
+
     rows: List[Dict[str, Any]] = []
     with checkout(ref) as (ref_tree, ref_prov):
-        for model in models:
-            setup = _setup(model, device, spec)
+        for model_ref in map(as_model, models):
+            setup, model = _setup(model_ref, device, spec), model_ref.name
             trees = [("ref", ref_tree), ("new", REPO_ROOT)]
 
             def sides(r: int) -> List[Side]:
@@ -270,7 +273,10 @@ def command(args: Any) -> int:
                              "tell its own bias from a difference)")
         spec = AgainstSpec(**{**asdict(spec), "rounds": args.rounds})
     out_dir = report_root(args.update_reports) / "bench" / device
-    result = run_against(args.against, args.device, args.model or DEFAULT_MODELS[device], spec, out_dir)
+    from harness.models import resolve_models
+
+    models = resolve_models(args, DEFAULT_MODELS[device], weights=False, tokenizer=False, verb="bench")
+    result = run_against(args.against, args.device, models, spec, out_dir)
     print(text_table(result["rows"], COLUMNS))
     print(written_to(out_dir / "against.md", args.update_reports))
     return 0

@@ -38,10 +38,10 @@ import torch
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
-from harness import zoo
 from harness.bench.profile import by_category, host_parts, profile_prefill, profile_replay
 from harness.bench.workloads import engine_decode, engine_prefill, random_ids
 from harness.driver import Driver
+from harness.models import ModelRef, add_model_arguments, as_model, resolve_model
 
 SIZES = {"cuda": ([128, 512, 4096], [1, 256], 512), "cpu": ([32, 128], [1, 8], 64)}  # prefill lengths, bs, context
 # the host functions of a step: (module, class, methods)
@@ -115,13 +115,14 @@ def _torch_profile(run: Callable[[], Any], path: Path, cuda: bool) -> None:
                                               max_name_column_width=70))
 
 
-def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[str, Any]:
+def host_profile(model: ModelRef | str, device: str, out: Path, repeats: int = 10) -> Dict[str, Any]:
     cuda = device.startswith("cuda")
     lengths, sizes, ctx = SIZES["cuda" if cuda else "cpu"]
-    zoo.prepare(model)
+    ref = as_model(model)
+    model = ref.name
     engine = Engine(EngineConfig(
-        model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=torch.bfloat16 if cuda else torch.float32,
-        device=device, max_running_req=max(sizes), use_dummy_weight=not zoo.MODELS[model].has_weights,
+        model_path=str(ref.folder), tp_info=DistributedInfo(0, 1), dtype=torch.bfloat16 if cuda else torch.float32,
+        device=device, max_running_req=max(sizes), use_dummy_weight=not ref.has_weights,
         max_seq_len_override=max(max(lengths), ctx + 2 * repeats + 8) + 64))
     vocab = engine.config.model_config.vocab_size
     driver = Driver(engine)
@@ -164,12 +165,13 @@ def host_profile(model: str, device: str, out: Path, repeats: int = 10) -> Dict[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.bench.host_profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-0.6b", choices=list(zoo.MODELS))
+    add_model_arguments(p, "qwen3-0.6b", many=False)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("build/host-profile"))
     p.add_argument("--repeats", type=int, default=10, help="timed prefills per length (decode: twice as many steps)")
     args = p.parse_args(argv)
-    summary = host_profile(args.model, args.device, args.out, args.repeats)
+    model = resolve_model(args, "qwen3-0.6b", weights=False, tokenizer=False, verb="host_profile")
+    summary = host_profile(model, args.device, args.out, args.repeats)
     for name, part in summary.items():
         if isinstance(part, dict):
             host = " ".join(f"{k} {v * 1e3:.3f}" for k, v in part["host"].items())

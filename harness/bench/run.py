@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
-from harness import check_device, zoo
+from harness import check_device
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
 from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
 from harness.bench.report import write_bench_report
@@ -28,6 +28,7 @@ from harness.bench.gemm import gemm_rows
 from harness.bench.workloads import (SPECS, BenchSpec, decode_at, engine_decode, engine_offline, engine_prefill,
                                      engine_ttft, hf_decode, hf_offline, hf_prefill, median, offline_workload, spread)
 from harness.driver import Driver
+from harness.models import ModelRef, as_model, resolve_models
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODELS = {"cpu": ["smollm2-135m", "gemma3-270m"], "cuda": ["qwen3-0.6b", "smollm2-135m"]}
@@ -47,19 +48,19 @@ def _row(model: str, runner: str, workload: str, bs: int, length: int, secs: Lis
             "achieved_TFLOPs": flops / med / 1e12}
 
 
-def _engine(model: str, device: str, dtype: str, spec: BenchSpec, graphs: bool) -> Engine:
+def _engine(model: ModelRef, device: str, dtype: str, spec: BenchSpec, graphs: bool) -> Engine:
     return Engine(EngineConfig(
-        model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype), device=device,
-        max_running_req=max(max(spec.decode_bs), spec.offline[0]), use_dummy_weight=not zoo.MODELS[model].has_weights,
+        model_path=str(model.folder), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype), device=device,
+        max_running_req=max(max(spec.decode_bs), spec.offline[0]), use_dummy_weight=not model.has_weights,
         max_seq_len_override=max(max(spec.prefill_lengths), max(spec.latency_ctx), 2 * spec.offline[2]) + 64,
         cuda_graph_max_bs=None if graphs else 0))
 
 
-def _hf(model: str, device: str, dtype: str) -> Any:
+def _hf(model: ModelRef, device: str, dtype: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path, torch_dtype = zoo.path(model), getattr(torch, dtype)
-    if zoo.MODELS[model].has_weights:
+    path, torch_dtype = model.folder, getattr(torch, dtype)
+    if model.has_weights:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
     with torch.device(device):  # dummy weights made where they run (qwen3-30b-a3b's 61 GB never visit the host)
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch_dtype).eval()
@@ -73,9 +74,11 @@ def _decode_rows(model: str, runner: str, driver: Driver, bs: int, ctx: int, spe
     return row, records
 
 
-def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
+def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limits,
                 with_hf: bool) -> tuple[List, List, List, List]:
     """(rows, decode profiles, GEMMs at M = 1 on CUDA, prefill profiles on CUDA) of one model."""
+    ref = as_model(ref)
+    model = ref.name
     dtype = DTYPES[device.split(":")[0]]
     rows: List[Dict[str, Any]] = []
     profiles: List[Dict[str, Any]] = []
@@ -86,7 +89,7 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
     on_gpu = device.startswith("cuda")
     for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu and spec.eager else []):
-        engine = _engine(model, device, dtype, spec, graphs)
+        engine = _engine(ref, device, dtype, spec, graphs)
         cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
         # the driver's defaults, as a user's: at its prefill budget (4096 tokens) 36 of the offline workload's 38
         # prefill batches replay prefill graphs (up to 4096 tokens and 8 requests), where at 8192 18 of 19 ran
@@ -127,7 +130,7 @@ def bench_model(model: str, device: str, spec: BenchSpec, limits: Limits,
         finally:
             engine.shutdown()
     if with_hf:
-        rows += _bench_hf(model, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
+        rows += _bench_hf(ref, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
     return rows, profiles, gemms, prefills
 
 
@@ -179,9 +182,9 @@ def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, 
             "fraction_of_floor": floor / run.seconds if floor else float("nan")}
 
 
-def _bench_hf(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limits, cost: ModelCost, vocab: int,
+def _bench_hf(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, limits: Limits, cost: ModelCost, vocab: int,
               sub_prompts: List[List[int]], sub_outs: List[int]) -> List[Dict[str, Any]]:
-    hf, dev = _hf(model, device, dtype), torch.device(device)
+    hf, dev, model = _hf(ref, device, dtype), torch.device(device), ref.name
     rows = []
     for runner, sizes, static in (("hf", spec.hf_decode_bs, False), ("hf-static", spec.hf_static_bs, True)):
         for bs in tqdm(sizes, desc=f"{model} {runner} decode"):
@@ -202,24 +205,19 @@ def _bench_hf(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limi
     return rows
 
 
-def _is_moe(model: str) -> bool:
-    from engine.models.config import ModelConfig
-    from engine.utils.hf import cached_load_hf_config
-
-    return ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
-
-
-def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str, Any]:
+def run_bench(device: str, models: List[ModelRef | str], with_hf: bool = True) -> Dict[str, Any]:
     dev = torch.device(device if device != "cuda" else "cuda:0")
-    moe = [_is_moe(m) for m in models]
+    refs = [as_model(m) for m in models]
+    models = [r.name for r in refs]
+    moe = [r.is_moe for r in refs]
     if any(moe) and not all(moe):
         raise ValueError(f"bench mixture-of-experts models apart from dense ones (they run another spec): {models}")
     spec = SPECS[f"{dev.type}-moe" if all(moe) and f"{dev.type}-moe" in SPECS else dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
     rows, profiles, gemms, prefills = [], [], [], []
-    for model in models:
-        r, p, g, f = bench_model(model, str(dev), spec, limits, with_hf)
+    for ref in refs:
+        r, p, g, f = bench_model(ref, str(dev), spec, limits, with_hf)
         rows, profiles, gemms, prefills = rows + r, profiles + p, gemms + g, prefills + f
     return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
             "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms}
@@ -228,7 +226,8 @@ def run_bench(device: str, models: List[str], with_hf: bool = True) -> Dict[str,
 def command(args: argparse.Namespace) -> int:
     device = args.device
     check_device(device, flashinfer=device.startswith("cuda"))  # on CUDA the engine's numbers are FlashInfer's
-    models = args.model or DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"]
+    models = resolve_models(args, DEFAULT_MODELS["cuda" if device.startswith("cuda") else "cpu"], weights=False,
+                            tokenizer=False, verb="bench")
     result = run_bench(device, models, with_hf=not args.no_hf)
     print(write_bench_report(result, update=args.update_reports))
     return 0

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from engine.layers import skinny_gemm
 from engine.models.config import ModelConfig
 from engine.utils.device import has_triton
-from engine.utils.hf import cached_load_hf_config
-from harness import zoo
 from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call, weight_copies
+from harness.models import add_model_arguments, resolve_models
 from harness.report import markdown_table
 
 ROWS = (1, 2, 4, 8, 16)
@@ -97,7 +96,7 @@ def report_markdown(rows: List[Dict[str, object]], device: str, bandwidth: float
 
 def main(argv: List[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.bench.tune_gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", action="append", required=True, choices=list(zoo.MODELS))
+    add_model_arguments(p, "none, give one or more")
     p.add_argument("--rows", type=int, action="append", choices=ROWS,
                    help=f"tune these row counts only (repeatable; default all of {ROWS}); other entries are kept")
     p.add_argument("--tp", type=int, default=1, help="the shapes of one rank at this tensor-parallel size")
@@ -105,6 +104,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--json", help="also write the measured rows here")
     p.add_argument("--report", help="also write the table as markdown here, with the run's provenance")
     args = p.parse_args(argv)
+    if not args.model and not args.model_path:
+        p.error("give the models whose shapes to tune: --model NAME or --model-path DIR")
     if not torch.cuda.is_available() or not has_triton():
         print("error: tune_gemm needs a CUDA device and Triton", file=sys.stderr)
         return 2
@@ -112,9 +113,8 @@ def main(argv: List[str] | None = None) -> int:
 
     dtype = getattr(torch, args.dtype)
     bandwidth = measure_limits(torch.device("cuda"), dtype).bandwidth
-    shapes = sorted({s for name in args.model
-                     for s in decode_shapes(ModelConfig.from_hf(cached_load_hf_config(str(zoo.prepare(name)))),
-                                            args.tp).values()})
+    shapes = sorted({s for ref in resolve_models(args, [], weights=False, tokenizer=False, verb="tune_gemm")
+                     for s in decode_shapes(ref.config, args.tp).values()})
     rows, start = [], time.perf_counter()
     for i, (n, k) in enumerate(shapes):
         for m in args.rows or ROWS:

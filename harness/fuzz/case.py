@@ -119,6 +119,7 @@ class Case:
     # and how the search's last check reproduced it
     history: Tuple[Past, ...] = ()
     reproduced: str = ""
+    model_args: str = ""  # the command-line arguments that name the model (default: --model <model>)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"
@@ -137,7 +138,7 @@ class Case:
         return cls(d["model"], d["device"], FuzzConfig(**d["config"]), workload(d["workload"]),
                    Failure(**d["failure"]) if d["failure"] else None, d["planted"], d["seed"], CASE_VERSION,
                    tuple(Past(workload(h["workload"]), Failure(**h["only"]) if h["only"] else None)
-                         for h in d.get("history", ())), d.get("reproduced", ""))
+                         for h in d.get("history", ())), d.get("reproduced", ""), d.get("model_args", ""))
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,18 +13,21 @@ from harness.fuzz.faults import planted
 
 if TYPE_CHECKING:  # hypothesis, which the search needs, is imported only when the verb runs
     from harness.fuzz.invariants import Evaluator
+    from harness.models import ModelRef
 
 DEFAULT_BUDGET = {"cpu": 60.0, "cuda": 120.0}
+DEFAULT_MODEL = "tiny-qwen3"
 
 
-def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" = None) -> tuple:
+def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" = None,
+           model: "ModelRef | None" = None) -> tuple:
     """Run the case in path again on a fresh engine, after the history it records, every invariant (with the planted
-    fault named, if any): (case, failure or None)."""
+    fault named, if any): (case, failure or None). model: the case's (default: the zoo's model of its name)."""
     from harness.fuzz.invariants import Evaluator
 
     case = Case.read(path)
     own = evaluator is None
-    evaluator = evaluator or Evaluator(case.model, case.device)
+    evaluator = evaluator or Evaluator(model or case.model, case.device)
     try:
         with planted(plant):
             evaluator.fresh()
@@ -36,13 +39,13 @@ def replay(path: Path, plant: str | None = None, evaluator: "Evaluator | None" =
             evaluator.close()
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace, model: "ModelRef") -> int:
     from harness.fuzz.report import failure_text
 
     case = Case.read(args.replay)
     if case.planted and case.planted != args.plant:
         print(f"note: this case was found with the planted fault {case.planted}; --plant {case.planted} plants it")
-    _, failure = replay(args.replay, args.plant)
+    _, failure = replay(args.replay, args.plant, model=model)
     print(f"recorded: {case.failure.invariant} in the {case.failure.stage} run" if case.failure else "recorded: pass")
     if case.history:
         print(f"ran first on the fresh engine: {len(case.history)} case(s) of its history (the failure was reproduced "
@@ -51,7 +54,8 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"replay of {args.replay}: every invariant holds")
         return 0
     print(f"replay of {args.replay}: FAIL\n" + failure_text(Case(case.model, case.device, case.config, case.workload,
-                                                                  failure, args.plant, case.seed), None))
+                                                                  failure, args.plant, case.seed,
+                                                                  model_args=case.model_args), None))
     return 1
 
 
@@ -62,11 +66,11 @@ def _cmd(args: argparse.Namespace) -> int:
     from harness.fuzz.search import FuzzOptions, fuzz
     from harness.report import written_to
 
-    _check(args)
+    model = _check(args)
     if args.replay:
-        return _replay(args)
+        return _replay(args, model)
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
-    opts = FuzzOptions(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
+    opts = FuzzOptions(model=model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
                        planted=args.plant)
     start = time.monotonic()
     with tqdm(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}",
@@ -86,18 +90,21 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> None:
-    """What this machine cannot run is refused before any engine starts."""
+def _check(args: argparse.Namespace) -> "ModelRef":
+    """What this machine cannot run is refused before any engine starts; the model to run."""
     from harness import UserError, check_device
     from harness import golden as G
     from harness.fuzz.faults import FAULTS
     from harness.fuzz.strategies import dtypes
+    from harness.models import resolve_model
 
-    if args.replay:
+    if args.replay:  # the case's model, unless the command names one (a folder's model: the case's replay line does)
         case = Case.read(args.replay)
-        device, model, wanted = case.device, case.model, [case.config.dtype]
+        device, wanted = case.device, [case.config.dtype]
+        model = resolve_model(args, case.model, verb="fuzz")
     else:
-        device, model, wanted = args.device, args.model, dtypes(args.device, args.dtype)
+        device, wanted = args.device, dtypes(args.device, args.dtype)
+        model = resolve_model(args, DEFAULT_MODEL, verb="fuzz")
     kind = device.split(":")[0]
     check_device(device, flashinfer=kind == "cuda")  # the CUDA run's engines are FlashInfer's
     if args.plant and FAULTS[args.plant].device not in ("any", kind):
@@ -107,15 +114,16 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--budget {args.budget}: give a positive number of seconds")
     for dtype in wanted:
         G.load_checked(model, kind, dtype)  # its tolerance is parity's: a missing golden is refused here
+    return model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from harness import zoo
     from harness.fuzz.faults import FAULTS
+    from harness.models import add_model_arguments
     from harness.report import add_update_flag
 
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--model", default="tiny-qwen3", choices=list(zoo.MODELS))
+    add_model_arguments(p, DEFAULT_MODEL, many=False, golden=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on cpu; bfloat16 and float32 drawn on cuda")
     p.add_argument("--seed", type=int, default=0, help="hypothesis's seed (the same seed draws the same cases)")

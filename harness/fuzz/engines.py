@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
-from harness import zoo
+from harness.models import ModelRef
 
 WORKER_TIMEOUT = 900.0  # seconds one request to a worker may take (a reference run of a whole workload)
 
@@ -21,7 +21,7 @@ WORKER_TIMEOUT = 900.0  # seconds one request to a worker may take (a reference 
 class EngineHost:
     """The one Engine of this process, kept while the configuration stays the same."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: ModelRef) -> None:
         self.model = model
         self.kwargs: Dict[str, Any] | None = None
         self.engine: Engine | None = None
@@ -30,7 +30,7 @@ class EngineHost:
     def get(self, kwargs: Dict[str, Any]) -> Engine:
         if self.engine is None or kwargs != self.kwargs:
             self.close()
-            self.engine = Engine(EngineConfig(model_path=str(zoo.path(self.model)), tp_info=DistributedInfo(0, 1),
+            self.engine = Engine(EngineConfig(model_path=str(self.model.folder), tp_info=DistributedInfo(0, 1),
                                               **kwargs))
             self.kwargs = kwargs
             self.builds += 1
@@ -49,7 +49,7 @@ class WorkerError(RuntimeError):
     """A worker's engine raised, or the worker died: the message holds its traceback."""
 
 
-def _serve(conn: Any, model: str) -> None:
+def _serve(conn: Any, model: ModelRef) -> None:
     from harness.fuzz.runs import run_workload
 
     host = EngineHost(model)
@@ -75,7 +75,7 @@ class EngineWorker:
     """An Engine in a spawned process: configure(kwargs) builds it (when they changed), run(spec) runs a workload
     on it (harness.fuzz.runs.run_workload) and returns the RunOutput."""
 
-    def __init__(self, name: str, model: str) -> None:
+    def __init__(self, name: str, model: ModelRef) -> None:
         self.name = name
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()

@@ -33,6 +33,7 @@ from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, Past, RequestSpe
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
 from harness.fuzz.runs import Position, Reference, RunOutput, RunSpec, run_workload
 from harness.golden import TOP_K
+from harness.models import ModelRef, as_model
 from harness.parity.gate import tolerance
 
 STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin")
@@ -43,7 +44,8 @@ class Evaluator:
     """The engines of a fuzz run (this process's engine under test, the reference and eager-twin workers) and the
     references computed so far. Counts what it checked in `counts`."""
 
-    def __init__(self, model: str, device: str) -> None:
+    def __init__(self, model: ModelRef | str, device: str) -> None:
+        model = as_model(model)
         self.model, self.device = model, device
         self.host = EngineHost(model)
         self.reference = EngineWorker("reference", model)
@@ -81,7 +83,9 @@ class Evaluator:
         if dtype not in self.tolerances:
             device_type = self.device.split(":")[0]
             gs = G.load_checked(self.model, device_type, dtype)
-            self.tolerances[dtype] = (tolerance(gs, dtype), f"golden/{self.model}/{device_type}-{dtype}")
+            where = G.golden_dir(self.model, device_type, dtype)
+            self.tolerances[dtype] = (tolerance(gs, dtype), str(where.relative_to(G.GOLDEN_DIR.parent)
+                                                                if where.is_relative_to(G.GOLDEN_DIR) else where))
         return self.tolerances[dtype]
 
     # ------------------------------------------------------------------------------------------ one case

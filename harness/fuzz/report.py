@@ -8,6 +8,7 @@ from typing import Any, Dict, List
 from harness import report
 from harness.fuzz.case import Case, Workload, describe
 from harness.fuzz.search import FuzzResult
+from harness.models import name_of
 
 METHOD = """\
 ## What every case checks
@@ -69,7 +70,8 @@ def failure_text(case: Case, path: Path | None, first: tuple | None = None) -> s
         lines += [f"history {i} (run first on the fresh engine{runs}): " + line for line in describe(past.workload)]
     if path is not None:
         lines.append(f"case: {path}")
-        lines.append(f"replay: python -m harness fuzz --device {case.device} --model {case.model} --replay {path}"
+        named = case.model_args or f"--model {case.model}"
+        lines.append(f"replay: python -m harness fuzz --device {case.device} {named} --replay {path}"
                      + (f" --plant {case.planted}" if case.planted else ""))
     return "\n".join(lines)
 
@@ -82,7 +84,7 @@ def summary(result: FuzzResult) -> str:
             f"{cases} cases in under a second of search (no rate)")
     totals = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
     return "\n".join([
-        f"fuzz {o.model} on {o.device}: {'PASS' if result.passed else 'FAIL'} in {result.seconds:.0f} s "
+        f"fuzz {name_of(o.model)} on {o.device}: {'PASS' if result.passed else 'FAIL'} in {result.seconds:.0f} s "
         f"(budget {o.budget:.0f} s of search, engines built in {result.setup_seconds:.0f} s"
         + (f", shrinking {result.shrink_seconds:.0f} s" if not result.passed else "")
         + f"; seed {o.seed}" + (f"; planted fault {o.planted}" if o.planted else "") + ")",
@@ -105,7 +107,7 @@ def write(result: FuzzResult, update: bool) -> Path:
     o = result.options
     path = report.report_root(update) / "fuzz" / f"{o.device.split(':')[0]}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    prov = report.provenance(o.device, model=o.model, seed=o.seed, budget_s=o.budget, planted=o.planted)
+    prov = report.provenance(o.device, model=name_of(o.model), seed=o.seed, budget_s=o.budget, planted=o.planted)
     path.write_text(markdown(result, prov))
     return path
 

@@ -29,6 +29,7 @@ from hypothesis.errors import NoSuchExample
 from harness.fuzz.case import Case, Failure, FuzzConfig, Past, Workload
 from harness.fuzz.invariants import Evaluator
 from harness.fuzz.strategies import configs, dtypes, workloads
+from harness.models import ModelRef, name_of
 from harness.report import REPO_ROOT
 
 FUZZ_DIR = REPO_ROOT / "build" / "fuzz"
@@ -42,7 +43,7 @@ MAX_CHUNK = 50
 
 @dataclass
 class FuzzOptions:
-    model: str = "tiny-qwen3"
+    model: ModelRef | str = "tiny-qwen3"  # a zoo name, or any model (harness.models)
     device: str = "cpu"
     dtype: str | None = None
     seed: int = 0
@@ -106,7 +107,7 @@ class _Search:
 
     def _key(self, what: str) -> bytes:
         o = self.opts
-        return json.dumps([what, o.model, o.device, o.dtype, o.planted]).encode()
+        return json.dumps([what, name_of(o.model), o.device, o.dtype, o.planted]).encode()
 
     def _now(self) -> float:
         """The budget's clock: seconds of search so far."""
@@ -262,8 +263,9 @@ def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[
             workload, failure = search.found[minimal_config]
             history, how = reproduce(evaluator, minimal_config, workload,
                                      search.before.get((minimal_config, workload), ()), opts.budget / 2)
-            result.case = Case(opts.model, opts.device, minimal_config, workload, failure, opts.planted, opts.seed,
-                               history=history, reproduced=how)
+            result.case = Case(evaluator.model.name, opts.device, minimal_config, workload, failure, opts.planted,
+                               opts.seed, history=history, reproduced=how,
+                               model_args=evaluator.model.args + evaluator.model.golden_args)
             result.first = search.first
             tag = hashlib.blake2b(result.case.to_json().encode(), digest_size=4).hexdigest()
             name = f"{opts.device.split(':')[0]}-{failure.invariant}-{tag}"

@@ -6,18 +6,21 @@ engine, report writes what it found."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from harness import golden as G
-    from harness import zoo
+    from harness.models import add_model_arguments
     from harness.parity.gate import FLOOR
     from harness.parity.paths import PATHS
     from harness.parity.run import command
     from harness.report import add_update_flag
 
     p = sub.add_parser("parity", help="compare the engine with the golden files along every engine path")
-    p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(G.GOLDEN_MODELS)}")
+    add_model_arguments(p, ", ".join(G.GOLDEN_MODELS), golden=True)
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="refuse a golden not made from these prompts (default: the golden's own are run)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", action="append", choices=list(FLOOR),
                    help="default: float32 on cpu; bfloat16 and float32 on cuda")

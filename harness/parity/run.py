@@ -14,12 +14,12 @@ import torch
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
-from engine.models.config import ModelConfig
-from engine.utils.hf import cached_load_hf_config
-from harness import UserError, check_device, zoo
+from harness import UserError, check_device
 from harness import golden as G
+from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
+from harness.models import ModelRef, as_model, resolve_models
 from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
                                  tie_tolerance, tolerance)
 from harness.parity.paths import PATHS, ParityPath
@@ -32,7 +32,7 @@ class _PathPlan:
     """What one path runs: the engine's config and, per group of prompts run together, the driver's arguments."""
 
     engine_kwargs: Dict[str, Any]
-    params: SamplingParams
+    params: List[SamplingParams]  # per prompt: as many new tokens as its golden has
     groups: List[List[int]]
     prompts: List[List[int]]
     args: List[Dict[str, Any]]  # per group: forced, prefix_lens
@@ -50,8 +50,8 @@ def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _Pa
     groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
     args = [dict(forced=None if forced is None else [forced[i] for i in group],
                  prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None) for group in groups]
-    return _PathPlan(kw, SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True), groups, prompts,
-                     args, path.max_prefill_tokens)
+    params = [SamplingParams(max_tokens=len(pg.tokens), ignore_eos=True) for pg in gs.prompts]
+    return _PathPlan(kw, params, groups, prompts, args, path.max_prefill_tokens)
 
 
 class _Recorder:
@@ -74,9 +74,10 @@ class _Recorder:
             self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
 
 
-def path_engine(plan: _PathPlan, model: str) -> Engine:
+def path_engine(plan: _PathPlan, model: ModelRef | str) -> Engine:
     """A new engine configured for the path."""
-    return Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1), **plan.engine_kwargs))
+    return Engine(EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1),
+                               **plan.engine_kwargs))
 
 
 def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
@@ -85,14 +86,14 @@ def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
     rec = _Recorder(gs)
     for group, args in zip(plan.groups, plan.args):
         res = Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
-            [plan.prompts[i] for i in group], plan.params,
+            [plan.prompts[i] for i in group], [plan.params[i] for i in group],
             on_logits=lambda uid, pos, lp, base=group[0]: rec(base + uid, pos, lp),
             on_router=lambda uid, pos, m, base=group[0]: rec.router(base + uid, pos, m), **args)
         rec.outputs += [r.output_ids for r in res]
     return rec.stats, rec.outputs, rec.margins
 
 
-def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
+def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
     """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
     router margins."""
     plan = plan_path(path, device, dtype, gs)
@@ -103,7 +104,7 @@ def run_path(path: ParityPath, model: str, device: str, dtype: str, gs: G.Golden
         engine.shutdown()
 
 
-def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, gs: G.GoldenSet,
+def run_paths_tp(paths: List[ParityPath], model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet,
                  tp: int) -> Dict[str, tuple]:
     """Every path on tp ranks (processes, harness.tp) in one launch, an engine per path and group; rank 0's logits
     are compared. path name -> (stats, outputs, margins) as run_path gives them."""
@@ -113,7 +114,8 @@ def run_paths_tp(paths: List[ParityPath], model: str, device: str, dtype: str, g
     for path in paths:
         plan = plan_path(path, device, dtype, gs)
         for group, args in zip(plan.groups, plan.args):
-            runs.append(TPRun(str(zoo.path(model)), [plan.prompts[i] for i in group], plan.params,
+            runs.append(TPRun(str(as_model(model).folder), [plan.prompts[i] for i in group],
+                              [plan.params[i] for i in group],
                               engine_kwargs=plan.engine_kwargs, record_logits=True,
                               driver_kwargs={"max_prefill_tokens": plan.max_prefill_tokens}, **args))
             owners.append((path.name, group))
@@ -143,23 +145,25 @@ def obtained_set(gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]], out
     return G.GoldenSet(prompts, dict(gs.provenance, obtained_from=f"engine, parity path {path.name}"))
 
 
-def model_is_moe(model: str) -> bool:
-    return ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
+def model_is_moe(model: ModelRef | str) -> bool:
+    return as_model(model).is_moe
 
 
-def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
-               golden_root: Path = G.GOLDEN_DIR, tp: int = 1) -> ParityResult:
-    """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
-    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
+def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
+               golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None) -> ParityResult:
+    """Every path against the golden (under golden_root, default: the model's); on the first failing path the
+    engine's result is written beside the golden."""
+    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
+    model = as_model(model, golden_root)
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
-    result = ParityResult(model, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
+    result = ParityResult(model.name, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
                           spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
-    folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
+    folder = G.golden_dir(model, device.split(":")[0], dtype)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
     for path in chosen:
-        logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
+        logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
         stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
@@ -172,7 +176,8 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     return result
 
 
-def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> None:
+def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
+           prompts: P.PromptSet | None = None) -> None:
     """What the user asked for, before any engine runs: the device, the ranks, a golden for every model and dtype."""
     cuda = args.device.startswith("cuda")
     check_device(args.device, flashinfer=cuda)
@@ -183,17 +188,18 @@ def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> No
                         f"give --tp {torch.cuda.device_count()} or fewer")
     for model in models:
         for dtype in dtypes:
-            G.load_checked(model, args.device.split(":")[0], dtype)
+            G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
 
 
 def command(args: argparse.Namespace) -> int:
-    models = args.model or list(G.GOLDEN_MODELS)
+    models = resolve_models(args, G.GOLDEN_MODELS, verb="parity")
+    prompts = P.read_file(args.prompts) if args.prompts else None
     dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
-    _check(args, models, dtypes)
+    _check(args, models, dtypes, prompts)
     failed = False
     for model in models:
         for dtype in dtypes:
-            result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
+            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
     if not args.no_sampling and args.device == "cpu":

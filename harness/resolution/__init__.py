@@ -16,15 +16,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     from harness.report import add_update_flag
     from harness.resolution.faults import FAMILIES
     from harness.resolution.run import CHECKS, DEFAULT_CHECKS, DEFAULT_MODELS, DEFAULT_RATIO, cmd
-    from harness.zoo import MODELS
+    from harness.models import add_model_arguments
 
     p = sub.add_parser("resolution", help="the smallest planted fault each check detects (bisection over e)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--check", action="append", choices=list(CHECKS),
                    help="; ".join(f"default on {d}: {', '.join(c)}" for d, c in DEFAULT_CHECKS.items()))
-    p.add_argument("--model", action="append", choices=list(MODELS),
-                   help="models of the parity checks; " + "; ".join(f"default on {d}: {', '.join(m)}"
-                                                                   for d, m in DEFAULT_MODELS.items()))
+    add_model_arguments(p, "; ".join(f"{', '.join(m)} on {d}" for d, m in DEFAULT_MODELS.items()) +
+                        " (the models of the parity checks)", golden=True)
     p.add_argument("--family", action="append", choices=list(FAMILIES), help="default: every family")
     p.add_argument("--path", default="batch", choices=[q.name for q in PATHS],
                    help="the parity path a parity probe runs (default batch)")

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
+from harness.models import ModelRef, name_of
 from harness.resolution.faults import Family, Target
 from harness.resolution.checks import WholeRunCheck
 from harness.resolution.search import Verdict
@@ -99,21 +100,22 @@ class FuzzCheck(WholeRunCheck):
     # class-level faults only: the rope-base fault rewrites a built engine's tables, and the fuzzer builds its own
     families = ("softmax-decode", "kv-wrong-slot")
 
-    def __init__(self, device: str = "cpu", model: str = "tiny-qwen3", budget: float = 20.0, seed: int = 0) -> None:
+    def __init__(self, device: str = "cpu", model: ModelRef | str = "tiny-qwen3", budget: float = 20.0,
+                 seed: int = 0) -> None:
         from harness import golden as G
         from harness.fuzz.strategies import dtypes
 
         for dtype in dtypes(device, None):  # the fuzzer's tolerance: a missing golden is refused before any run
             G.load_checked(model, device.split(":")[0], dtype)
         self.device, self.model, self.budget, self.seed = device, model, budget, seed
-        self.name = f"fuzz {model} ({budget:g} s a probe)"
+        self.name = f"fuzz {name_of(model)} ({budget:g} s a probe)"
         self.evaluator = None  # its worker processes start with the first probe
         self._folder = tempfile.TemporaryDirectory(prefix="resolution-fuzz-")
         self._cases: List[int] = []
 
     def describe(self) -> str:
         cases = f", {min(self._cases)}-{max(self._cases)} workloads a probe" if self._cases else ""
-        return (f"`harness fuzz` on {self.model}, {self.device}, seed {self.seed}, a search budget of "
+        return (f"`harness fuzz` on {name_of(self.model)}, {self.device}, seed {self.seed}, a search budget of "
                 f"{self.budget:g} s a probe (shrinking a failure takes up to half that again){cases}; detection is a "
                 "random search's: the bisection assumes it monotone")
 

@@ -19,6 +19,7 @@ from harness import golden as G
 from harness.compare import ROUTER_TIE
 from harness.parity.gate import HALF, PathResult, PromptResult, dist_limits, evaluate, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
+from harness.models import ModelRef, name_of
 from harness.parity.run import drive_path, model_is_moe, path_engine, plan_path
 from harness.resolution.faults import Family, Target
 from harness.resolution.search import Verdict
@@ -72,11 +73,11 @@ class ParityCheck:
     target: Target = "engine"
     families = None
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", path: str = "batch",
+    def __init__(self, model: ModelRef | str, device: str = "cpu", dtype: str = "float32", path: str = "batch",
                  threads: int = 1) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.threads = threads  # CPU threads for the probes: the engine sets its own (its physical cores) when built
-        self.name = f"parity {dtype} {model} ({path})"
+        self.name = f"parity {dtype} {name_of(model)} ({path})"
         chosen = [p for p in PATHS if p.name == path]
         if not chosen or not chosen[0].applies_to(device):
             names = ", ".join(p.name for p in PATHS if p.applies_to(device))

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 from harness import UserError, check_device
+from harness.models import ModelRef, resolve_models
 from harness.resolution.adapters import ComponentCheck, FuzzCheck
 from harness.resolution.checks import Check, ParityCheck, SamplingCheck
 from harness.resolution.faults import FAMILIES, Family
@@ -22,8 +23,8 @@ DEFAULT_MODELS = {"cpu": ("tiny-qwen3", "smollm2-135m", "tiny-gemma3"), "cuda": 
 PER_MODEL = ("parity-fp32", "parity-bf16")
 
 
-def _parity(dtype: str) -> Callable[[argparse.Namespace, str | None], ParityCheck]:
-    def make(args: argparse.Namespace, model: str | None) -> ParityCheck:
+def _parity(dtype: str) -> Callable[[argparse.Namespace, ModelRef | None], ParityCheck]:
+    def make(args: argparse.Namespace, model: ModelRef | None) -> ParityCheck:
         if dtype == "bfloat16" and not args.device.startswith("cuda"):
             raise UserError("parity-bf16 compares with the GPU's bf16 goldens; run it with --device cuda")
         return ParityCheck(model, args.device, dtype, args.path, args.threads)
@@ -31,7 +32,7 @@ def _parity(dtype: str) -> Callable[[argparse.Namespace, str | None], ParityChec
 
 
 # check kind -> (the command's arguments, the model or None) -> Check; a new kind of check registers here
-CHECKS: Dict[str, Callable[[argparse.Namespace, str | None], Check]] = {
+CHECKS: Dict[str, Callable[[argparse.Namespace, ModelRef | None], Check]] = {
     "parity-fp32": _parity("float32"),
     "parity-bf16": _parity("bfloat16"),
     "sampling": lambda args, model: SamplingCheck(args.device),
@@ -91,7 +92,7 @@ def cmd(args: argparse.Namespace) -> int:
         raise UserError(f"--fuzz-budget {args.fuzz_budget}: give a positive number of seconds")
     device = args.device
     kinds = args.check or list(DEFAULT_CHECKS[device.split(":")[0]])
-    models = args.model or list(DEFAULT_MODELS[device.split(":")[0]])
+    models = resolve_models(args, DEFAULT_MODELS[device.split(":")[0]], verb="resolution")
     chosen = [FAMILIES[f] for f in args.family] if args.family else list(FAMILIES.values())
     if args.threads < 1:
         raise UserError(f"--threads {args.threads}: give 1 or more")
@@ -99,7 +100,7 @@ def cmd(args: argparse.Namespace) -> int:
     # every check is made (its golden read, its cases listed) before the first one runs: a refusal comes first
     checks = [(kind, CHECKS[kind](args, model))
               for kind in kinds for model in (models if kind in PER_MODEL else [None])]
-    settings = {"ratio": args.ratio, "path": args.path, "checks": kinds, "models": models,
+    settings = {"ratio": args.ratio, "path": args.path, "checks": kinds, "models": [m.name for m in models],
                 "families": [f.name for f in chosen], "threads": args.threads, "fuzz_budget_s": args.fuzz_budget}
     runnable = []
     for kind, check in checks:

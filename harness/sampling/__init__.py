@@ -9,6 +9,7 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     from harness import report
+    from harness.models import add_model_arguments
     from harness.sampling.cases import REAL_MODELS
     from harness.sampling.run import DEFAULT_MAX_COST, command
 
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-cost", type=float, default=None,
                    help="cap on draws x vocab per case; binds only the cases on real logits "
                         f"(default {DEFAULT_MAX_COST['cpu']:.1e} on cpu, {DEFAULT_MAX_COST['cuda']:.1e} on cuda)")
-    p.add_argument("--real-model", action="append", choices=list(REAL_MODELS),
-                   help=f"the models whose real logits make cases (default: {', '.join(REAL_MODELS)})")
+    add_model_arguments(p, f"{', '.join(REAL_MODELS)} (the models whose real logits make cases)",
+                        flag="--real-model")
     p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
     p.set_defaults(func=command)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
 
 import numpy as np
 import torch
 
 from engine.core import SamplingParams
+
+if TYPE_CHECKING:
+    from harness.models import ModelRef
 
 NAN, NEG_INF = float("nan"), float("-inf")
 REAL_MODELS = ("smollm2-135m", "gemma3-270m")  # 49152 and 262144 tokens
@@ -104,7 +107,7 @@ def small_cases() -> List[Case]:
     ]
 
 
-def real_logits(model: str, prompts: Sequence[str] = REAL_PROMPTS) -> np.ndarray:
+def real_logits(model: "ModelRef | str", prompts: Sequence[str] = REAL_PROMPTS) -> np.ndarray:
     """The engine's next-token log-probabilities [len(prompts), vocab] float32 (CPU, fp32), through the driver.
 
     Log-probabilities are the logits shifted by a per-row constant, which no sampling rule can see."""
@@ -112,10 +115,10 @@ def real_logits(model: str, prompts: Sequence[str] = REAL_PROMPTS) -> np.ndarray
     from engine.distributed import DistributedInfo
     from engine.engine import Engine
     from engine.utils.hf import load_tokenizer
-    from harness import zoo
     from harness.driver import Driver
+    from harness.models import as_model
 
-    path = str(zoo.path(model))
+    path = str(as_model(model).folder)
     threads = torch.get_num_threads()  # the Engine sets its own; the draws afterwards want them all back
     engine = Engine(EngineConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=torch.float32, device="cpu",
                                  max_running_req=len(prompts), cuda_graph_max_bs=0, num_page_override=1024,
@@ -135,10 +138,13 @@ def real_logits(model: str, prompts: Sequence[str] = REAL_PROMPTS) -> np.ndarray
         torch.set_num_threads(threads)
 
 
-def real_cases(model: str = REAL_MODELS[0], logits: np.ndarray | None = None) -> List[Case]:
-    """Two batches on one model's real logits: temperature only (no sort in the sampler), and the filters."""
+def real_cases(model: "ModelRef | str" = REAL_MODELS[0], logits: np.ndarray | None = None,
+               first: bool = True) -> List[Case]:
+    """Two batches on one model's real logits: temperature only (no sort in the sampler), and the filters. The
+    first model's cases are named real-*, the others' real-<the name's first part>-*."""
     a, b = logits if logits is not None else real_logits(model)
-    tag = "real" if model == REAL_MODELS[0] else f"real-{model.split('-')[0]}"
+    model = model if isinstance(model, str) else model.name
+    tag = "real" if first else f"real-{model.split('-')[0]}"
     return [
         Case(f"{tag}-temperature", f"{model}, {a.shape[0]} tokens: temperature 1 and 0.7, greedy",
              _rows(a, b, a), [SP(1.0), SP(0.7), GREEDY]),
@@ -147,8 +153,8 @@ def real_cases(model: str = REAL_MODELS[0], logits: np.ndarray | None = None) ->
     ]
 
 
-def all_cases(real_models: Sequence[str] = REAL_MODELS) -> List[Case]:
-    return small_cases() + [c for m in real_models for c in real_cases(m)]
+def all_cases(real_models: Sequence["ModelRef | str"] = REAL_MODELS) -> List[Case]:
+    return small_cases() + [c for i, m in enumerate(real_models) for c in real_cases(m, first=i == 0)]
 
 
 def describe(params: SamplingParams) -> str:

@@ -20,7 +20,8 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness import UserError, check_device, report, zoo
+from harness import UserError, check_device, report
+from harness.models import ModelRef, resolve_models
 from harness.sampling import oracle
 from harness.sampling.cases import REAL_MODELS, Case, all_cases, describe
 from harness.sampling.report import GridResult, RowResult, table_rows, write_report
@@ -146,7 +147,7 @@ def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequ
 
 # --------------------------------------------------------------------------------------------------------- CLI
 def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
-            real_models: Sequence[str] = REAL_MODELS, update: bool = False) -> int:
+            real_models: Sequence[ModelRef | str] = REAL_MODELS, update: bool = False) -> int:
     """Run the grid, write the report (under `out`, else the report root: the committed reports/ only when
     `update`), print a short table; 0 when every check passes, 1 otherwise."""
     start = time.perf_counter()
@@ -171,10 +172,10 @@ def main_from_parity(update: bool = False) -> int:
 
 def command(args: argparse.Namespace) -> int:
     check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
-    models = [] if args.no_real else (args.real_model or list(REAL_MODELS))
-    for model in models:  # before the grid: a model this machine cannot get ends the run now, in one line
+    models = []
+    if not args.no_real:  # before the grid: a model this machine cannot get ends the run now, in one line
         try:
-            zoo.prepare(model)
+            models = resolve_models(args, REAL_MODELS, verb="a real-logit case")
         except UserError as e:
             raise UserError(f"{e}, or leave its cases out (--real-model with the others, or --no-real)") from e
     return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
