@@ -195,6 +195,29 @@ def test_admission_waits_for_the_pages_of_the_whole_request_and_says_so(engines,
     assert [len(r.output_ids) for r in out] == [4, 4]
 
 
+@pytest.mark.parametrize("budget,overlap", [(1, True), (5, False)])
+def test_every_fuzz_invariant_holds_with_chunks(engines, budget, overlap):
+    """The fuzzer's invariants on one case of long prompts against a small budget: pool checks after every step,
+    K/V and logits against each request alone, overlap against the simple loop and a repeat bitwise, with
+    sampled and greedy requests, a cached prefix and an EOS stop."""
+    from harness.fuzz.case import FuzzConfig, RequestSpec, Workload
+    from harness.fuzz.invariants import Evaluator
+
+    engines.close()  # the evaluator builds its own engine in this process
+    requests = (RequestSpec(tuple(prompt(37, 10)), 6, temperature=0.9, seed=4),
+                RequestSpec(tuple(prompt(3, 11)), 12, ignore_eos=True),
+                RequestSpec(tuple(prompt(29, 12)), 5, prefix_len=11),
+                RequestSpec(tuple(prompt(40, 13)), 4, top_k=5, temperature=1.0))
+    config = FuzzConfig(dtype="float32", attention_backend="torch", graphs=False, slots=3, page_size=4,
+                        pool_tokens=128, max_prefill_tokens=budget, overlap=overlap)
+    evaluator = Evaluator(MODEL, "cpu")
+    try:
+        assert evaluator.evaluate(config, Workload(requests, eos=((1, 5),))) is None
+        assert evaluator.counts["positions compared bitwise"] > 0 and evaluator.counts["pool steps"] > 0
+    finally:
+        evaluator.close()
+
+
 # ------------------------------------------------------------------------------------------------ CUDA (H200)
 def _cuda_engine(**kw) -> Engine:
     return make_engine("cuda", **dict(dict(dtype=torch.bfloat16, page_size=16, max_running_req=8,
