@@ -8,6 +8,7 @@ stay bitwise equal with chunks; running requests decode between a long prompt's 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Dict, List, Tuple
 
@@ -216,6 +217,25 @@ def test_every_fuzz_invariant_holds_with_chunks(engines, budget, overlap):
         assert evaluator.counts["positions compared bitwise"] > 0 and evaluator.counts["pool steps"] > 0
     finally:
         evaluator.close()
+
+
+def test_the_bench_times_long_prompts_and_the_decodes_between_their_chunks(engines):
+    """harness.bench.long_context at CPU sizes: a time to first token of a chunked prompt with its floor, and the
+    running requests' inter-token latencies, alone and with one gap per chunk of the arriving prompt."""
+    from harness.bench.limits import Limits
+    from harness.bench.long_context import bench_long, long_context_targets
+    from harness.bench.run import _row
+    from harness.bench.workloads import SPECS
+
+    engines.close()  # the bench builds its own engine
+    spec = dataclasses.replace(SPECS["cpu"], long_prompts=(96,), itl=(3, 16, 96), long_budget=16, repeats=1)
+    rows = {r["workload"]: r for r in bench_long(MODEL, "cpu", "float32", spec, Limits(1e10, 1e11), _row)}
+    assert rows["ttft_long"]["length"] == 96 and 0 < rows["ttft_long"]["fraction_of_floor"]
+    assert rows["itl"]["samples"] == 96 // 16 + 16 - 2  # its decode steps (one token fewer) but the first
+    assert rows["itl_arriving"]["samples"] == 96 // 16 - 1  # one a chunk after the first: each spans a chunk
+    assert rows["ttft_arriving"]["median_s"] > 0
+    targets = long_context_targets(list(rows.values()), MODEL)
+    assert [t["target"].split(" ")[0] for t in targets] == ["time", "p99"]
 
 
 # ------------------------------------------------------------------------------------------------ CUDA (H200)
