@@ -267,10 +267,11 @@ def _cuda_engine(**kw) -> Engine:
 
 
 @pytest.mark.cuda
-def test_cuda_chunks_match_one_whole_prefill():
+def test_cuda_chunks_match_one_whole_prefill(engines):
     """bf16 on FlashInfer with prefill graphs: a 3000-token prompt in chunks of 512 and of 100 (not dividing it),
     teacher-forced, against one whole prefill: every position within parity's bf16 tolerance, and the same argmax
     wherever the whole prefill's top two are further apart than twice the position's error."""
+    engines.close()  # a CPU test's engine, when the whole file runs on a GPU machine
     eng = _cuda_engine()
     try:
         tol = tolerance(G.load_checked(MODEL, "cuda", "bfloat16"), "bfloat16")
@@ -288,11 +289,12 @@ def test_cuda_chunks_match_one_whole_prefill():
 
 
 @pytest.mark.cuda
-def test_cuda_graphs_equal_eager_and_overlap_equals_simple_with_chunks():
+def test_cuda_graphs_equal_eager_and_overlap_equals_simple_with_chunks(engines):
     prompts = [prompt(9, 1), prompt(1500, 2), prompt(40, 3)]
     params = [SamplingParams(max_tokens=30, temperature=0.9, seed=5), SamplingParams(max_tokens=3, ignore_eos=True),
               SamplingParams(max_tokens=20, ignore_eos=True)]
     outs = []
+    engines.close()
     for graphs in (True, False):
         eng = _cuda_engine(cuda_graph_max_bs=None if graphs else 0, prefill_graph_tokens=None if graphs else 0)
         try:
@@ -305,9 +307,10 @@ def test_cuda_graphs_equal_eager_and_overlap_equals_simple_with_chunks():
 
 
 @pytest.mark.cuda
-def test_cuda_reserve_follows_the_prefill_budget():
+def test_cuda_reserve_follows_the_prefill_budget(engines):
     """An engine whose forward budget is 512 reserves activations for 512-token forwards at the deepest prefix, less
     than one sized for 4096 tokens, and serves a 4000-token prompt in chunks."""
+    engines.close()
     small = _cuda_engine(max_prefill_tokens=512, num_page_override=None)
     try:
         assert small.config.max_forward_len == 512
