@@ -81,12 +81,12 @@ def scratch_context(config: "EngineConfig", make_kv_pool: Callable[[int], "KVCac
                     make_attn_backend: Callable[[], "AttentionBackend"],
                     make_moe_backend: Callable[[], "MoEBackend | None"]) -> Iterator[int]:
     """The global Context the probes run in, before the real pool exists: a scratch KV pool just large enough for
-    the largest prefill (max_forward_len tokens) beside the largest decode batch (make_kv_pool(pages)), a page
-    table, the attention backend over it and (MoE models) the MoE backend; what the Context held before comes back
-    on exit. Yields the largest decode batch."""
+    the deepest prefill chunk (max_forward_len tokens ending at max_seq_len) beside the largest decode batch
+    (make_kv_pool(pages)), a page table, the attention backend over it and (MoE models) the MoE backend; what the
+    Context held before comes back on exit. Yields the largest decode batch."""
     ctx, device = get_global_ctx(), torch.device(config.device)
     saved = ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend
-    tokens, max_bs = config.max_forward_len, max(config.cuda_graph_bs or [1])
+    tokens, max_bs = config.max_seq_len, max(config.cuda_graph_bs or [1])
     ctx.kv_cache = make_kv_pool(-(-tokens // config.page_size) + max_bs + 1)
     ctx.page_table = torch.arange(align_up(tokens, 32), dtype=torch.int32, device=device).repeat(max_bs + 1, 1)
     ctx.attn_backend = make_attn_backend()
@@ -97,11 +97,13 @@ def scratch_context(config: "EngineConfig", make_kv_pool: Callable[[int], "KVCac
         ctx.kv_cache, ctx.page_table, ctx.attn_backend, ctx.moe_backend = saved
 
 
-def probe_forward(model: torch.nn.Module, config: "EngineConfig", phase: str, lengths: List[int]) -> None:
-    """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table). The tokens
-    are identical, so on a MoE model each chosen expert gets all of them: the per-expert buffers at their largest."""
+def probe_forward(model: torch.nn.Module, config: "EngineConfig", phase: str, lengths: List[int],
+                  prefix: int = 0) -> None:
+    """One eager forward of requests of these extend lengths (rows 0, 1, ... of the scratch page table), a prefill's
+    over a cached prefix of prefix tokens. The tokens are identical, so on a MoE model each chosen expert gets all of
+    them: the per-expert buffers at their largest."""
     ctx, device = get_global_ctx(), torch.device(config.device)
-    cached = 0 if phase == "prefill" else 1
+    cached = prefix if phase == "prefill" else 1
     reqs = [Req(torch.zeros(n + cached, dtype=torch.int32), i, cached, 1, i, SamplingParams(), None)
             for i, n in enumerate(lengths)]
     batch = Batch(reqs=reqs, phase=phase)  # type: ignore[arg-type]
@@ -116,11 +118,18 @@ def probe_forward(model: torch.nn.Module, config: "EngineConfig", phase: str, le
 
 
 def run_model_probes(model: torch.nn.Module, config: "EngineConfig", max_bs: int) -> None:
-    """The largest forwards the engine runs eagerly, in a scratch_context: a prefill of max_forward_len tokens (on a
-    MoE model every one of them routed to its top-k experts: the largest grouped GEMMs and routing buffers) and a
-    decode of max_bs requests."""
-    probe_forward(model, config, "prefill", [config.max_forward_len])
+    """The largest forwards the engine runs eagerly, in a scratch_context: a prefill of max_forward_len tokens at the
+    end of a max_seq_len sequence (on a MoE model every one of them routed to its top-k experts: the largest grouped
+    GEMMs and routing buffers) and a decode of max_bs requests."""
+    probe_forward(model, config, "prefill", [config.max_forward_len], deepest_prefix(config))
     probe_forward(model, config, "decode", [1] * max_bs)
+
+
+def deepest_prefix(config: "EngineConfig") -> int:
+    """The cached prefix of the deepest prefill chunk: a prompt longer than max_forward_len is prefilled in chunks
+    of at most that many tokens, the last ending at max_seq_len, and attention's buffers may grow with the keys a
+    chunk attends over (the torch backend's scores do), so the reserve is measured there."""
+    return config.max_seq_len - config.max_forward_len
 
 
 def cublas_workspace_bytes(device: torch.device) -> int:
@@ -142,7 +151,8 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     """Measured on CUDA before the KV pool exists, in a scratch_context.
 
     Eager forwards run beside the graphs, so the two add up. activations: the peak of the largest prefill
-    (max_forward_len tokens), of the largest decode batch and of the sampler's worst path over max_running_req rows.
+    (max_forward_len tokens, at the deepest prefix a chunk has: the reserve follows the prefill budget, not
+    max_seq_len), of the largest decode batch and of the sampler's worst path over max_running_req rows.
     graphs: the captures share one private pool, which grows to the peak of the largest captured forward (measured:
     a decode of the largest graph batch, a prefill of the largest graph bucket), plus the outputs every graph keeps
     (decode logits, prefill hidden states of each bucket and kind; counted from their shapes, each rounded to the
@@ -174,7 +184,9 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
             # a backend with a ragged prefill has a second prefill graph a bucket, its own graph wrappers and an
             # eager one a window
             kinds = 1 + get_global_ctx().attn_backend.ragged_prefill  # type: ignore[union-attr]
-            prefill = {n: peak(lambda n=n: probe_forward(model, config, "prefill", [n]))
+            # the eager prefill at the deepest prefix a chunk has; a graph's pool is sized by its capture's, at none
+            prefill = {n: peak(lambda n=n: probe_forward(model, config, "prefill", [n],
+                                                         deepest_prefix(config) if n == tokens else 0))
                        for n in {tokens, *buckets[-1:]}}
             decode = peak(lambda: probe_forward(model, config, "decode", [1] * max_bs))
             rows = config.max_running_req
@@ -209,7 +221,7 @@ def measure_reserve(model: torch.nn.Module, config: "EngineConfig", make_kv_pool
     flashinfer = config.attention_backend == "flashinfer"
     reserve = Reserve(activations=max(prefill[tokens], decode, sampling), graphs=graphs,
                       workspace=WORKSPACE_BYTES + (1 + kinds) * per_window if flashinfer else 0)
-    logger.info("reserve %s: activations %s (prefill of %d tokens, decode of %d, sampling %d rows), graphs %s "
-                "(%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total), gib(reserve.activations),
-                tokens, max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))
+    logger.info("reserve %s: activations %s (prefill of %d tokens after %d cached, decode of %d, sampling %d rows), "
+                "graphs %s (%d decode sizes, prefill buckets %s), workspace %s", gib(reserve.total),
+                gib(reserve.activations), tokens, deepest_prefix(config), max_bs, rows, gib(reserve.graphs), len(graph_bs), buckets, gib(reserve.workspace))
     return reserve

@@ -4,6 +4,20 @@ It owns request slots (page-table rows), KV pages and a token pool on the device
 requests at max_tokens or an EOS id, and returns their pages. Prefill batches run first whenever a waiting request
 fits; otherwise every running request decodes one token.
 
+Chunked prefill: a prompt longer than the prefill budget (max_prefill_tokens, at most the engine's max_forward_len)
+is prefilled in chunks, each an extend over the prompt's own cached prefix, so any prompt up to max_seq_len is
+served and no forward carries more tokens than the memory plan reserved activations for. Its slot and the pages of
+the whole request are held from its first chunk (admission waits for them, and logs that it does); nothing is sampled
+until its last chunk (a chunk's draw is discarded: the request is not among the step's members). Its remaining
+chunks lead the next prefill steps; whole prompts that fit the rest of a step's budget join them. Prompts within the
+budget are never cut, so every batch of them is what it was without chunking.
+Running requests keep decoding: after a step that carried a chunk (not the last) of a prompt, the next step decodes
+every running request, and while any decode the chunks are at most decode_chunk_tokens. Steps alternate rather than
+putting a chunk beside the decodes in one forward (a mixed batch): a decode step keeps its CUDA graph and its decode
+kernels, and a running request's tokens do not depend on whether a long prompt is arriving (a decode row in a
+prefill batch would go through the prefill kernels); the price is one decode step per chunk, a running request's
+next token waiting for at most one chunk.
+
 Two loops share every step function and differ only in order (mini-sglang's normal_loop / overlap_loop):
 - simple: schedule step N, launch it, wait for its tokens, process them;
 - overlap (the default): schedule and launch step N + 1 before processing step N, so the host's work (batch build,
@@ -40,6 +54,7 @@ LogitsHook = Callable[[int, int, torch.Tensor], None]
 # (uid, first position, router margins [rows, MoE layers] float32) -> None; needs EngineConfig.record_router_margins
 RouterHook = Callable[[int, int, torch.Tensor], None]
 Phase = Literal["prefill", "decode"]
+UNSAMPLED = SamplingParams()  # a chunk that is not its prompt's last: greedy, the cheapest draw, which is discarded
 
 
 @dataclass
@@ -97,6 +112,11 @@ class _Running:
     max_tokens: int
     prefix_len: int = 0  # > 0: the prompt's first prefix_len tokens are prefilled on their own first
     launched: int = 0  # forwards launched that sample one of its tokens
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt's last chunk is not launched yet (req.cached_len: the prompt positions launched so far)."""
+        return self.req.device_len == len(self.result.prompt_ids)
 
 
 @dataclass
@@ -180,11 +200,20 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
 
 class Driver:
     def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True,
-                 prompt_logits: bool = True) -> None:
-        """prompt_logits: on_logits gets every prompt position (False: each prompt's last only, one LM-head row)."""
+                 prompt_logits: bool = True, decode_chunk_tokens: int = 1024) -> None:
+        """max_prefill_tokens: the most tokens one prefill step carries (at most the engine's max_forward_len);
+        longer prompts are prefilled in chunks. decode_chunk_tokens: while other requests decode, a chunk carries at
+        most this many (each chunk delays their next token by its time). prompt_logits: on_logits gets every prompt
+        position (False: each prompt's last only, one LM-head row)."""
+        if max_prefill_tokens < 1 or decode_chunk_tokens < 1:
+            raise ValueError(f"max_prefill_tokens ({max_prefill_tokens}) and decode_chunk_tokens "
+                             f"({decode_chunk_tokens}) must be >= 1")
         self.engine = engine
         self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
+        self.decode_chunk_tokens = decode_chunk_tokens
+        self._after_chunk = False  # the last step carried a chunk that was not its prompt's last: decodes go next
+        self._waiting_logged: int | None = None  # the uid whose wait for pages was logged last
         self.overlap = overlap
         self.page_size = engine.config.page_size
         self.pages = PageAllocator(engine.num_pages)
@@ -252,35 +281,36 @@ class Driver:
         if need > self.engine.max_seq_len:
             raise ValueError(f"request {uid}: prompt {prompt_len} + max_tokens {max_tokens} exceeds {limit}; "
                              "lower max_tokens or raise max_seq_len_override / the KV pool")
-        if prompt_len > self.engine.config.max_forward_len:  # a prompt over the budget is admitted alone, up to this
-            raise ValueError(f"request {uid}: prompt of {prompt_len} tokens exceeds the engine's max_forward_len "
-                             f"{self.engine.config.max_forward_len} (prefills are not chunked); raise "
-                             "EngineConfig.max_prefill_tokens")
         if -(-need // self.page_size) > self.pages.num_pages:
             raise ValueError(f"request {uid}: needs {need} KV slots but the pool holds only "
                              f"{self.pages.num_pages * self.page_size}; raise num_page_override or memory_ratio")
 
-    def _admit(self, waiting: Deque) -> List[_Running]:
-        """Admit waiting requests while a slot, their pages (for the whole request) and the token budget allow."""
-        admitted: List[_Running] = []
-        budget = self.max_prefill_tokens
-        while waiting and self.free_rows:
-            uid, prompt, p, f, prefix_len = waiting[0]
-            max_tokens = len(f) if f is not None else p.max_tokens
-            npages = -(-(len(prompt) + max_tokens) // self.page_size)
-            if npages > self.pages.num_free or (admitted and len(prompt) > budget):
-                break
-            waiting.popleft()
-            budget -= len(prompt)
-            row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
-            self.row_pages[row] = pages
-            slots = self._slots(row, np.arange(npages * self.page_size))
-            self.engine.page_table[row, : len(slots)].copy_(pinned(slots, torch.int32, self.engine.device),
-                                                            non_blocking=True)
-            req = Req(input_ids=self._prompt_ids(uid, prompt), table_idx=row, cached_len=0,
-                      output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
-            admitted.append(_Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len))
-        return admitted
+    def _admit(self, waiting: Deque, budget: int, first: bool) -> _Running | None:
+        """The next waiting request, with a slot and its pages for the whole request (prompt and max_tokens), if
+        they are free and its prompt fits the step's remaining budget (a step's first may be longer: it is cut into
+        chunks); None when it must wait."""
+        if not waiting or not self.free_rows:
+            return None
+        uid, prompt, p, f, prefix_len = waiting[0]
+        max_tokens = len(f) if f is not None else p.max_tokens
+        npages = -(-(len(prompt) + max_tokens) // self.page_size)
+        if not first and len(prompt) > budget:
+            return None
+        if npages > self.pages.num_free:
+            if self._waiting_logged != uid:  # once a request: the loop asks again every step
+                logger.info("request %d waits for %d KV pages (%d free) before its prefill starts", uid, npages,
+                            self.pages.num_free)
+                self._waiting_logged = uid
+            return None
+        waiting.popleft()
+        row, pages = self.free_rows.popleft(), self.pages.alloc(npages)
+        self.row_pages[row] = pages
+        slots = self._slots(row, np.arange(npages * self.page_size))
+        self.engine.page_table[row, : len(slots)].copy_(pinned(slots, torch.int32, self.engine.device),
+                                                        non_blocking=True)
+        req = Req(input_ids=self._prompt_ids(uid, prompt), table_idx=row, cached_len=0,
+                  output_len=max_tokens, uid=uid, sampling_params=p, cache_handle=None)
+        return _Running(req, GenResult(uid, prompt), pages, f, max_tokens, prefix_len)
 
     def _prompt_ids(self, uid: int, prompt: List[int]) -> torch.Tensor:
         """The prompt as an int32 host tensor, through numpy (torch.tensor of a 4096-id list took 180 us on a 2-core
@@ -302,36 +332,62 @@ class Driver:
     def _schedule(self, waiting: Deque, running: List[_Running], on_logits: LogitsHook | None) -> List[_Step]:
         """The next steps from what the host knows: requests whose last token is launched, or that were seen to
         stop at EOS, give their slot and pages back first (stream order keeps their in-flight writes before any
-        later use); then a prefill of whatever fits, or a decode of the rest."""
+        later use); then a decode if the last step carried a chunk and requests are decoding, else a prefill of
+        whatever fits, else a decode."""
         t0 = time.perf_counter()
         done = [r.launched >= r.max_tokens or bool(r.result.finish_reason) for r in running]
         for r in (r for r, d in zip(running, done) if d):
             self._release(r)
         running[:] = [r for r, d in zip(running, done) if not d]
-        admitted = self._admit(waiting)
-        if admitted:
-            running += admitted
-            return self._prefill_steps(admitted, on_logits, t0)
-        return [self._make_step("decode", running, on_logits, t0)] if running else []
+        decoding = [r for r in running if not r.prefilling]
+        yield_to_decode, self._after_chunk = self._after_chunk and bool(decoding), False
+        if not yield_to_decode:
+            step = self._prefill_step(waiting, running, bool(decoding), on_logits, t0)
+            if step is not None:
+                return [step]
+        return [self._make_step("decode", [r.req for r in decoding], decoding, on_logits, t0)] if decoding else []
 
-    def _prefill_steps(self, admitted: List[_Running], on_logits: LogitsHook | None, t0: float) -> List[_Step]:
-        steps = []
-        with_prefix = [r for r in admitted if 0 < r.prefix_len < len(r.result.prompt_ids)]
-        if with_prefix:
-            # The prefix alone, as its own request in the same row; the real request then starts with it cached.
-            prefix = [Req(r.req.input_ids[: r.prefix_len], r.req.table_idx, 0, 1, r.req.uid, r.req.sampling_params,
-                          None) for r in with_prefix]
-            steps.append(self._make_step("prefill", prefix, on_logits, t0, members=[]))
-            for r in with_prefix:
-                r.req = Req(r.req.input_ids, r.req.table_idx, r.prefix_len, r.max_tokens, r.req.uid,
-                            r.req.sampling_params, None)
-            t0 = time.perf_counter()
-        return steps + [self._make_step("prefill", admitted, on_logits, t0)]
+    def _prefill_step(self, waiting: Deque, running: List[_Running], decoding: bool, on_logits: LogitsHook | None,
+                      t0: float) -> _Step | None:
+        """The next chunks of prompts under way, then newly admitted requests, within the budget."""
+        budget = self.max_prefill_tokens
+        reqs: List[Req] = []
+        members: List[_Running] = []
+        under_way = [r for r in running if r.prefilling]
+        while budget > 0:
+            admitting = not under_way
+            r = self._admit(waiting, budget, first=not reqs) if admitting else under_way.pop(0)
+            if r is None:
+                break
+            if admitting:
+                running.append(r)
+            req = self._next_chunk(r, budget, decoding)
+            budget -= req.extend_len
+            reqs.append(req)
+            if req is r.req:  # its last chunk: the step samples its first token
+                members.append(r)
+        if not reqs:
+            return None
+        self._after_chunk = len(members) < len(reqs)
+        return self._make_step("prefill", reqs, members, on_logits, t0)
 
-    def _make_step(self, phase: Phase, running: List, on_logits: LogitsHook | None, t0: float,
-                   members: List[_Running] | None = None) -> _Step:
-        reqs = [r if isinstance(r, Req) else r.req for r in running]
-        members = [r for r in running if isinstance(r, _Running)] if members is None else members
+    def _next_chunk(self, r: _Running, budget: int, decoding: bool) -> Req:
+        """The request's next prefill chunk: the rest of its prompt (the request itself, which samples), or a
+        chunk that ends at its prefix length (the prefix path), at the budget or, for a prompt over the step budget
+        while others decode, at decode_chunk_tokens (a request of its own that samples nothing the driver keeps)."""
+        start, prompt_len = r.req.cached_len, len(r.result.prompt_ids)
+        end = r.prefix_len if start < r.prefix_len < prompt_len else prompt_len
+        limit = budget
+        if decoding and prompt_len > self.max_prefill_tokens:
+            limit = min(limit, self.decode_chunk_tokens)
+        end = min(end, start + limit)
+        if end == prompt_len:
+            return r.req
+        r.req.cached_len = end  # launched with this step: the next chunk starts there
+        return Req(r.req.input_ids[:end], r.req.table_idx, start, 1, r.req.uid, UNSAMPLED, None)
+
+    def _make_step(self, phase: Phase, reqs: List[Req], members: List[_Running], on_logits: LogitsHook | None,
+                   t0: float) -> _Step:
         spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
         record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0)
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
@@ -436,11 +492,13 @@ class Driver:
             logprobs = torch.log_softmax(step.out.logits, dim=-1)
             stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
             every = step.batch.return_logits == "all"
+            sampled = {r.result.uid for r in step.members}
             offset = 0
             margins = step.out.router_margins if on_router is not None else None
             for uid, start, rows in step.spans:  # positions [cached_len, device_len) as they were before the forward
                 n = rows if every else 1  # "last": one row per request, its last position's
-                if uid not in stopped:
+                # "last" hands over prompts' last positions only, not a chunk's that ends within its prompt
+                if uid not in stopped and (every or uid in sampled):
                     on_logits(uid, start + rows - n, logprobs[offset: offset + n])
                     if margins is not None:
                         on_router(uid, start + rows - n, margins[offset: offset + n])

@@ -102,12 +102,6 @@ def test_request_larger_than_the_pool(engine):
         Driver(engine).generate([[1] * 10], SamplingParams(max_tokens=10))
 
 
-@pytest.mark.engine_kw(max_prefill_tokens=16)
-def test_prompt_over_max_forward_len(engine):
-    with pytest.raises(ValueError, match="prompt of 20 tokens exceeds the engine's max_forward_len 16"):
-        Driver(engine).generate([[1] * 20], SamplingParams(max_tokens=1))
-
-
 # ------------------------------------------------------------------------------------------------ MoE
 def _moe_copy(tmp_path, weights: bool = False, **changes):
     """tiny-qwen3-moe's config.json (and its weights when asked) in tmp_path; a change of None drops the field."""

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 from harness.bench.anchors import anchors_section
 from harness.bench.gemm import TARGET_FRACTION, gemm_section
+from harness.bench.long_context import long_context_targets
 from harness.bench.profile import by_category
 from harness.report import markdown_table, provenance, provenance_markdown, report_root, write_json, written_to
 
@@ -43,6 +44,7 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             out.append(_target(model, "decode bs 1 within 1.5x of the bandwidth floor",
                                f"{times_floor:.2f}x the floor", times_floor <= 1.5))
         out += _first_token_targets(rows, model, on_gpu)
+        out += long_context_targets(rows, model)
         if not on_gpu:
             continue
         gemms = [g for g in result.get("gemms", []) if g["model"] == model]

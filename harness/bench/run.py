@@ -22,6 +22,7 @@ from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
 from harness import check_device
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
+from harness.bench.long_context import bench_long
 from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
 from harness.bench.report import write_bench_report
 from harness.bench.gemm import gemm_rows
@@ -129,6 +130,8 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
                 gemms += gemm_rows(model, engine, limits)
         finally:
             engine.shutdown()
+    if spec.long_prompts or spec.itl:
+        rows += bench_long(model, device, dtype, spec, limits, _row)
     if with_hf:
         rows += _bench_hf(ref, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
     return rows, profiles, gemms, prefills

@@ -30,14 +30,21 @@ class BenchSpec:
     hf_offline: Tuple[int, int]  # requests of the offline workload HF also runs, output length cap
     repeats: int
     eager: bool = True  # on CUDA also the engine without CUDA graphs (engine-eager)
+    # long prompts (harness.bench.long_context), on an engine whose forward budget is long_budget tokens (the
+    # driver's default prefill budget): time to first token at these lengths, prefilled in chunks
+    long_prompts: Tuple[int, ...] = ()
+    # (running requests, their prompt length, an arriving prompt's length): their inter-token latency with and
+    # without that prompt arriving
+    itl: Tuple[int, int, int] | None = None
+    long_budget: int = 4096
 
 
 SPECS: Dict[str, BenchSpec] = {
     "cpu": BenchSpec([32, 64, 128, 256, 512], [1, 2, 4, 8, 16], 128, [32, 128, 512], 8, [1, 4, 16], [], [1],
-                     (32, 32, 128), (8, 32), 5),
+                     (32, 32, 128), (8, 32), 5, long_prompts=(256, 512), itl=(4, 32, 512), long_budget=64),
     "cuda": BenchSpec([128, 256, 512, 1024, 2048, 4096], [1, 2, 4, 8, 16, 32, 64, 128, 256], 512,
                       [128, 512, 1024, 2048, 4096], 32, [1, 8, 64, 256], [1], [1, 64, 256],
-                      (256, 100, 1024), (32, 64), 5),
+                      (256, 100, 1024), (32, 64), 5, long_prompts=(8192, 16384, 32768), itl=(32, 512, 32768)),
     # mixture-of-experts shapes (qwen3-30b-a3b, 61 GB): decode at bs 1 / 64 / 256 and prefill, the engine with CUDA
     # graphs only; HF eager only (its static-cache compilation of 48 MoE layers would take longer than the rest of
     # the run)
@@ -127,6 +134,50 @@ def decode_at(driver: Driver, bs: int, ctx: int, vocab: int) -> StepRecord:
     prompts = [random_ids(ctx - 1, vocab, seed=2000 + i) for i in range(bs)]
     driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
     return driver.steps[-1]
+
+
+def decode_gaps(records: List[StepRecord], through_prefill: bool = False) -> List[float]:
+    """Seconds between consecutive decode steps' launches: the running requests' inter-token latencies (each decode
+    step gives every one of them a token). through_prefill: only up to the first decode step after the last prefill
+    step, the gaps an arriving prompt's chunks fall in."""
+    decodes = [i for i, r in enumerate(records) if r.phase == "decode"]
+    if through_prefill:
+        last = max(i for i, r in enumerate(records) if r.phase == "prefill")
+        decodes = [i for i in decodes if i < last] + [i for i in decodes if i > last][:1]
+    return [records[b].start - records[a].start for a, b in zip(decodes, decodes[1:])]
+
+
+@dataclass
+class Interleaved:
+    alone: List[float]  # inter-token latencies of the running requests alone
+    arriving: List[float]  # the same while the long prompt is prefilled in chunks
+    long_ttft: float  # the long prompt's first chunk's launch to the end of its last chunk's step
+
+
+def engine_interleaved(driver: Driver, bs: int, ctx: int, long_len: int, vocab: int) -> Interleaved:
+    """bs requests of ctx-token prompts decoding, alone and with a prompt of long_len tokens arriving behind them
+    (admitted once they are prefilled: its chunks alternate with their decode steps). They decode for as many steps
+    as it has chunks while they run, and 16 more."""
+    shorts = [random_ids(ctx, vocab, seed=3000 + i) for i in range(bs)]
+    long_prompt = random_ids(long_len, vocab, seed=long_len)
+    chunk = min(driver.max_prefill_tokens, driver.decode_chunk_tokens)  # its chunks while they decode
+    params = [SamplingParams(max_tokens=-(-long_len // chunk) + 16, ignore_eos=True)] * bs
+    first = [SamplingParams(max_tokens=1, ignore_eos=True)]
+    runs = []
+    for arriving in (True, False, True):  # the first is warm-up
+        driver.steps.clear()
+        settle()
+        driver.generate(shorts + [long_prompt] * int(arriving), params + first * int(arriving))
+        runs.append(list(driver.steps))
+    alone, busy = runs[1], runs[2]
+    prefilled, chunks = 0, []
+    for r in busy:  # the running requests' prompts are prefilled first: the prefill steps after them are chunks
+        if r.phase == "prefill":
+            if prefilled >= bs * ctx:
+                chunks.append(r)
+            prefilled += r.num_tokens
+    long_ttft = chunks[-1].start + chunks[-1].seconds - chunks[0].start if chunks else float("nan")
+    return Interleaved(decode_gaps(alone), decode_gaps(busy, through_prefill=True), long_ttft)
 
 
 @dataclass

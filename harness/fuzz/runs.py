@@ -93,8 +93,10 @@ def run_workload(engine: Engine, spec: RunSpec, references: List[Reference] | No
 
     ref_kv = None if references is None else {uid: r.kv for uid, r in enumerate(references)}
     checker = PoolChecker(engine, spec.stage, ref_kv) if spec.check_pool or spec.capture else None
+    # chunks of half the budget while other requests decode: every budget the strategies draw also draws that cap
     driver = Driver(engine, max_prefill_tokens=spec.max_prefill_tokens, overlap=spec.overlap,
-                    prompt_logits=spec.prompt_logits or spec.capture)
+                    prompt_logits=spec.prompt_logits or spec.capture,
+                    decode_chunk_tokens=max(1, (spec.max_prefill_tokens + 1) // 2))
     first = len(driver.steps)
     steps: List[tuple] = []
 

@@ -17,7 +17,9 @@ from harness.fuzz.case import MAX_NEW, MAX_PROMPT, MAX_REQUESTS, FuzzConfig, Req
 MAX_SLOTS = 8
 PAGE_SIZES = [4, 16, 1]
 POOL_TOKENS = [64, 128, 512]  # 64: one request of MAX_PROMPT + MAX_NEW tokens fills most of it
-PREFILL_BUDGETS = [4096, 16]  # 16: prompts are admitted a few at a time and prefills split
+# 16: prompts are admitted a few at a time and the longer ones prefilled in chunks; 5: chunks across pages of 4 and
+# 16 that do not divide them; 1: one-token chunks (with the prompts of up to MAX_PROMPT tokens, long against these)
+PREFILL_BUDGETS = [4096, 16, 5, 1]
 TEMPERATURES = [1.0, 0.7, 1.5]
 TOP_KS = [2, 5, 50]
 TOP_PS = [0.9, 0.5, 0.2]

@@ -33,6 +33,9 @@ PATHS = (
                page_size=16, prefix=True),
     ParityPath("continuous", "3 slots, 64-token prefill budget: requests join while others decode, mixed prefill "
                "lengths; page_size 4", page_size=4, max_running_req=3, max_prefill_tokens=64),
+    ParityPath("chunked", "5-token prefill budget: every longer prompt is prefilled in chunks, each an extend over its "
+               "own cached prefix (across pages of 4 and sliding windows), the others decoding between its chunks",
+               page_size=4, max_prefill_tokens=5),
     ParityPath("free", "free-running greedy generation (the engine's own tokens fed back)", forced=False),
     ParityPath("torch-backend", "the torch reference on the GPU: torch attention, torch ops and (MoE) the torch MoE "
                "(HF's numerics)", attention_backend="torch", ops_backend="torch", moe_backend="torch",
