@@ -23,7 +23,9 @@ from harness.driver import Driver
 from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
                                  tie_tolerance, tolerance)
 from harness.parity.paths import PATHS, ParityPath
+from harness.parity.failure import failure_block
 from harness.parity.report import write_report
+from harness.report import REPO_ROOT
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +149,34 @@ def model_is_moe(model: str) -> bool:
     return ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model)))).is_moe
 
 
+OBTAINED_DIR = REPO_ROOT / "build" / "parity"  # git-ignored: the engine's result of a failing run
+
+
+def select_prompts(gs: G.GoldenSet, prompt: str | None) -> List[int]:
+    """The golden prompts to run: every one, or the one --prompt names (its index in the golden, or its name)."""
+    if prompt is None:
+        return list(range(len(gs.prompts)))
+    names = [p.name for p in gs.prompts]
+    if prompt.isdigit() and int(prompt) < len(names):
+        return [int(prompt)]
+    if prompt in names:
+        return [names.index(prompt)]
+    raise UserError(f"--prompt {prompt}: the golden of {gs.provenance['model']} has no such prompt; give an index "
+                    f"from 0 to {len(names) - 1} or one of its names: {', '.join(names)}")
+
+
 def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
-               golden_root: Path = G.GOLDEN_DIR, tp: int = 1) -> ParityResult:
-    """Every path against the golden; on the first failing path the engine's result is written beside the golden."""
-    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root)
+               golden_root: Path = G.GOLDEN_DIR, tp: int = 1, prompt: str | None = None) -> ParityResult:
+    """Every path against the golden (or only its prompt `prompt`); on the first failing path the engine's result is
+    written under build/parity/, and the first failure is shown (harness.parity.failure)."""
+    full = G.load_checked(model, device.split(":")[0], dtype, golden_root)
+    indices = select_prompts(full, prompt)
+    gs = G.GoldenSet([full.prompts[i] for i in indices], full.provenance)
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
                           spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
-    folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
+    folder = OBTAINED_DIR / model / f"{device.split(':')[0]}-{dtype}"
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
     for path in chosen:
@@ -163,12 +184,16 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
         stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
-                                        margins if is_moe else None, result.router_tie or 0.0)
+                                        margins if is_moe else None, result.router_tie or 0.0, indices)
         result.prompts += prompts
         result.paths.append(path_result)
         if was_passing and not result.passed:
             G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
             result.obtained = str(folder / "golden.obtained.npz")
+    if not result.passed:
+        from transformers import AutoTokenizer
+
+        result.failure = failure_block(result, full, AutoTokenizer.from_pretrained(zoo.path(model))) or ""
     return result
 
 
@@ -183,7 +208,7 @@ def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> No
                         f"give --tp {torch.cuda.device_count()} or fewer")
     for model in models:
         for dtype in dtypes:
-            G.load_checked(model, args.device.split(":")[0], dtype)
+            select_prompts(G.load_checked(model, args.device.split(":")[0], dtype), args.prompt)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -193,10 +218,14 @@ def command(args: argparse.Namespace) -> int:
     failed = False
     for model in models:
         for dtype in dtypes:
-            result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
+            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompt=args.prompt)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
-    if not args.no_sampling and args.device == "cpu":
+            if args.explain and not result.passed:
+                from harness.parity.explain import explain_failure
+
+                print(explain_failure(result, G.load_checked(model, args.device.split(":")[0], dtype)))
+    if not args.no_sampling and args.device == "cpu" and args.prompt is None:
         from harness.sampling.run import main_from_parity
 
         failed |= main_from_parity(update=args.update_reports) != 0
