@@ -1,18 +1,25 @@
-"""python -m harness parity ... --explain: which layer of the engine departs from HF first.
+"""python -m harness parity ... --explain: which layer of the engine departs from HF first, and in which half.
 
 The failing prompt runs again, teacher-forced up to the failing position N, through the engine (along the failing
 path's configuration, eagerly: CUDA graphs would replay past the hooks) and through HF, with hooks on the residual
-stream after each layer's attention and after its MLP (harness.parity.hooks). At every position up to N:
+stream after each layer's attention and after its MLP (harness.parity.hooks), at every position up to N. Two views:
 
-- the engine's relative error against HF fp32 (sdpa): |engine - HF fp32| / |HF fp32| per position;
-- HF's own spread in the engine's dtype: HF in that dtype, with sdpa and with eager attention, against HF fp32 sdpa,
-  the same measure. That is the difference a correct implementation in this dtype carries: in half precision the
-  rounding of every op (the attention kernel alone, sdpa vs eager in the dtype, leaves out the GEMMs' and norms'
-  rounding, which dominates); in fp32, where HF fp32 against itself is exactly 0, the attention kernel's.
+- the stream: each run on its own, |x - HF fp32| / |HF fp32| per position. Errors add up layer after layer, so in
+  half precision a fault in one layer can hide under the rounding the layers before it carry.
+- each layer alone (what decides): every layer's input replaced by HF fp32's stream before it, rounded to the
+  engine's dtype, the same for every run; compared is what each half adds to the stream (the attention's output, the
+  MLP's), |added - HF fp32's added| / |HF fp32's added| per position. Nothing carries over from earlier layers, and
+  a fault shows at its own size relative to the half it is in.
 
-Each (layer, half) takes the largest over the positions; it diverges when the engine's exceeds
-max(SPREAD_FACTOR x HF's spread, FLOOR[dtype]). The first one that does, in the order the model computes them, is where
-the engine's computation departs: a fault there moves every later one too.
+Beside the engine's error stands HF's own spread in the engine's dtype, the same measure: in half precision HF in
+that dtype with sdpa and with eager attention against HF fp32 sdpa, the larger (the rounding a correct
+implementation in that dtype carries in every op; sdpa against eager in the dtype would show the attention kernel's
+only); in fp32, where HF against itself is exactly 0, HF fp32 eager against sdpa (the attention kernel's).
+
+Each error is taken over the positions 0..N together (the norm of the difference over the norm of HF's, so that a
+position where a half adds little cannot dominate) and at N alone (a fault of one position, e.g. of a decode step,
+is diluted among the others). A half diverges when the engine's error alone exceeds max(FACTOR x HF's, FLOOR[dtype])
+either way; the first that does, in the order the model computes them, is where the engine departs.
 """
 
 from __future__ import annotations
@@ -29,27 +36,54 @@ from harness import golden as G
 from harness import zoo
 from harness.driver import Driver
 from harness.parity.failure import first_failure
-from harness.parity.gate import SPREAD_FACTOR, ParityResult
+from harness.parity.gate import ParityResult
 from harness.parity.hooks import HALVES, EngineStreams, hf_streams
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.run import plan_path
 
-# The smallest relative error of a residual stream that counts as a divergence, whatever HF's spread: fp32 engines
-# differ from HF by their GEMMs' summation order (~1e-6 relative on these streams), far below any real fault's 1e-2.
+FACTOR = 3.0  # how far beyond HF's own spread the engine's error alone may go: SOURCES, as the gate's KL limits
+# The smallest error alone that counts as a divergence, whatever HF's spread: in fp32 a correct engine's differs from
+# HF's by summation order (about 1e-6 of what a half adds), far below a real fault's 1e-3 or more.
 FLOOR = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+@dataclass
+class Measure:
+    """Per (layer, half) [layers, 2]: the relative error over positions 0..N taken together (norms over every
+    position and the hidden size) and at the failing position N alone."""
+
+    over: torch.Tensor
+    at_n: torch.Tensor
+
+
+def _measure(a: torch.Tensor, ref: torch.Tensor) -> Measure:
+    """a, ref [layers, 2, P, hidden]."""
+    diff, norm = (a - ref).norm(dim=-1), ref.norm(dim=-1).clamp_min(1e-30)
+    return Measure(diff.norm(dim=-1) / norm.norm(dim=-1), diff[..., -1] / norm[..., -1])
+
+
+def _larger(a: Measure | None, b: Measure) -> Measure:
+    return b if a is None else Measure(torch.maximum(a.over, b.over), torch.maximum(a.at_n, b.at_n))
 
 
 @dataclass
 class LayerRow:
     layer: int
     half: str  # attention | mlp
-    engine_err: float  # the engine's largest relative error against HF fp32 over the positions
-    hf_spread: float  # HF's own, in the engine's dtype
-    limit: float
+    stream: float  # the engine's stream against HF fp32's, over the positions
+    hf_stream: float  # HF's own, in the engine's dtype
+    alone: float  # what the half adds, each layer alone, over the positions
+    hf_alone: float
+    alone_n: float  # the same at the failing position
+    hf_alone_n: float
+    dtype: str
+
+    def limit(self, hf: float) -> float:
+        return max(FACTOR * hf, FLOOR[self.dtype])
 
     @property
     def diverges(self) -> bool:
-        return self.engine_err > self.limit
+        return self.alone > self.limit(self.hf_alone) or self.alone_n > self.limit(self.hf_alone_n)
 
 
 @dataclass
@@ -68,28 +102,32 @@ class Explanation:
         return next((r for r in self.rows if r.diverges), None)
 
 
-def _relative(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[layers, 2]: per (layer, half) the largest over positions of |a - ref| / |ref| (norms over hidden)."""
-    return ((a - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).amax(dim=-1)
+def _updates(streams: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """[layers, 2, P, H]: what each half adds to the stream (the attention's to the layer's input, the MLP's to the
+    stream after the attention)."""
+    return torch.stack([streams[:, 0] - inputs, streams[:, 1] - streams[:, 0]], dim=1)
 
 
 def engine_streams(model: str, device: str, dtype: str, gs: G.GoldenSet, path: ParityPath, prompt: int,
-                   position: int) -> torch.Tensor:
-    """The engine's streams [layers, 2, position + 1, hidden] on prompt `prompt` of gs, teacher-forced up to
-    `position`, with the path's engine and driver settings but no CUDA graphs."""
+                   position: int, inputs: List[torch.Tensor | None]) -> List[torch.Tensor]:
+    """Per entry of `inputs` (None: the engine's own stream; else each layer's input replaced, hooks.EngineStreams),
+    the engine's streams [layers, 2, position + 1, hidden] on prompt `prompt` of gs, teacher-forced up to `position`,
+    with the path's engine and driver settings but no CUDA graphs."""
     pg = gs.prompts[prompt]
-    one = G.GoldenSet([pg], gs.provenance)
-    plan = plan_path(path, device, dtype, one)
+    plan = plan_path(path, device, dtype, G.GoldenSet([pg], gs.provenance))
     steps = max(position - len(pg.prompt_ids) + 2, 1)  # the prefill, then a decode step per position after it
     engine = Engine(EngineConfig(model_path=str(zoo.path(model)), tp_info=DistributedInfo(0, 1),
                                  **dict(plan.engine_kwargs, cuda_graph_max_bs=0, prefill_graph_tokens=0)))
+    out = []
     try:
-        streams = EngineStreams(list(engine.model.model.layers))
-        with streams.capture():
-            Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
-                plan.prompts, SamplingParams(max_tokens=steps, ignore_eos=True),
-                **dict(plan.args[0], forced=[pg.tokens[:steps].tolist()]))
-        return streams.stacked(list(range(position + 1)))
+        for replaced in inputs:
+            streams = EngineStreams(list(engine.model.model.layers), replaced)
+            with streams.capture():
+                Driver(engine, max_prefill_tokens=plan.max_prefill_tokens).generate(
+                    plan.prompts, SamplingParams(max_tokens=steps, ignore_eos=True),
+                    **dict(plan.args[0], forced=[pg.tokens[:steps].tolist()]))
+            out.append(streams.stacked(list(range(position + 1))))
+        return out
     finally:
         engine.shutdown()
 
@@ -101,42 +139,50 @@ def explain(model: str, device: str, dtype: str, gs: G.GoldenSet, path: ParityPa
     ids = [int(t) for t in pg.prompt_ids] + [int(t) for t in pg.tokens]
     position = min(position, len(ids) - 2)  # the last golden token is never an input
     ids = ids[: position + 1]
-    eng = engine_streams(model, device, dtype, gs, path, prompt, position)
     hf = G.hf_model(model, device, torch.float32)
-    ref = hf_streams(hf, ids, device)
-    half = dtype != "float32"
-    spread = torch.zeros(ref.shape[:2])
-    for attn in ("sdpa", "eager") if half else ("eager",):
-        del hf
-        hf = G.hf_model(model, device, getattr(torch, dtype), attn)
-        spread = torch.maximum(spread, _relative(hf_streams(hf, ids, device), ref))
+    ref, ref_in = hf_streams(hf, ids, device)
+    inputs = ref_in.to(getattr(torch, dtype)).float()  # each layer's input as every run alone gets it
+    ref_alone = _updates(hf_streams(hf, ids, device, inputs)[0], inputs)
     del hf
-    kind = (f"HF {dtype} (sdpa and eager attention) against HF float32 sdpa: the rounding a correct {dtype} "
-            f"implementation carries in every op" if half else
+    eng, eng_alone = engine_streams(model, device, dtype, gs, path, prompt, position, [None, inputs])
+    half = dtype != "float32"
+    spread, spread_alone = None, None
+    for attn in ("sdpa", "eager") if half else ("eager",):
+        hf = G.hf_model(model, device, getattr(torch, dtype), attn)
+        spread = _larger(spread, _measure(hf_streams(hf, ids, device)[0], ref))
+        spread_alone = _larger(spread_alone, _measure(_updates(hf_streams(hf, ids, device, inputs)[0], inputs),
+                                                      ref_alone))
+        del hf
+    kind = (f"HF {dtype} (sdpa and eager attention) against HF float32 sdpa, the larger: the rounding a correct "
+            f"{dtype} implementation carries in every op" if half else
             "HF float32 eager against HF float32 sdpa: in fp32 HF's only difference from itself is its attention")
-    err = _relative(eng, ref)
-    rows = [LayerRow(layer, name, float(err[layer, h]), float(spread[layer, h]),
-                     max(SPREAD_FACTOR * float(spread[layer, h]), FLOOR[dtype]))
-            for layer in range(err.shape[0]) for h, name in enumerate(HALVES)]
+    err, alone = _measure(eng, ref), _measure(_updates(eng_alone, inputs), ref_alone)
+    rows = [LayerRow(layer, name, float(err.over[layer, h]), float(spread.over[layer, h]),
+                     float(alone.over[layer, h]), float(spread_alone.over[layer, h]), float(alone.at_n[layer, h]),
+                     float(spread_alone.at_n[layer, h]), dtype)
+            for layer in range(ref.shape[0]) for h, name in enumerate(HALVES)]
     return Explanation(model, device, dtype, path.name, prompt, position, kind, rows)
 
 
 def format_explanation(e: Explanation) -> str:
-    lines = [f"explain: {e.model} on {e.device} in {e.dtype}, path {e.path}, prompt {e.prompt}: the residual stream "
-             f"after each layer's attention and MLP at positions 0..{e.position} (the failing one and every one "
-             f"before it), the largest over them of |x - HF fp32| / |HF fp32| per position",
-             f"  engine: the engine (teacher-forced, no CUDA graphs) against HF float32 sdpa",
-             f"  HF spread: {e.spread_kind}",
-             f"  limit: max({SPREAD_FACTOR:g} x HF spread, {FLOOR[e.dtype]:g})",
-             f"  {'layer':>5}  {'half':<9}  {'engine':>9}  {'HF spread':>9}  {'limit':>9}  {'engine/limit':>12}"]
+    lines = [f"explain: {e.model} on {e.device} in {e.dtype}, path {e.path}, prompt {e.prompt}, positions "
+             f"0..{e.position} (the failing one and every one before it); relative errors against HF float32 sdpa:",
+             "  stream: the residual stream after the half, each run on its own, over the positions",
+             "  alone:  every layer's input set to HF fp32's (rounded to the dtype): what the half adds, over the "
+             "positions and at the failing one (N)",
+             "  engine: the engine (teacher-forced, no CUDA graphs)",
+             f"  HF: {e.spread_kind}",
+             f"  a half diverges where the engine alone exceeds max({FACTOR:g} x HF alone, {FLOOR[e.dtype]:g}) over "
+             f"the positions or at N",
+             f"  {'layer':>5}  {'half':<9}  {'stream':>9}  {'HF':>9}  {'alone':>9}  {'HF':>9}  {'alone@N':>9}  "
+             f"{'HF':>9}"]
     for r in e.rows:
-        mark = "  <- diverges" if r.diverges else ""
-        lines.append(f"  {r.layer:>5}  {r.half:<9}  {r.engine_err:>9.3g}  {r.hf_spread:>9.3g}  {r.limit:>9.3g}  "
-                     f"{r.engine_err / r.limit:>12.3g}{mark}")
+        lines.append(f"  {r.layer:>5}  {r.half:<9}  {r.stream:>9.3g}  {r.hf_stream:>9.3g}  {r.alone:>9.3g}  "
+                     f"{r.hf_alone:>9.3g}  {r.alone_n:>9.3g}  {r.hf_alone_n:>9.3g}{'  <- diverges' * r.diverges}")
     first = e.first
     lines.append(f"first diverging layer: {first.layer} ({first.half})" if first else
-                 "first diverging layer: none (every layer's stream is within HF's spread: look past the layers, "
-                 "at the final norm, the LM head, the sampler, or what differs only under CUDA graphs)")
+                 "first diverging layer: none (every layer alone is within HF's spread: look past the layers, at the "
+                 "embedding, the final norm, the LM head, or what differs only under CUDA graphs)")
     return "\n".join(lines)
 
 
