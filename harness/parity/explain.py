@@ -138,25 +138,30 @@ def explain(model: str, device: str, dtype: str, gs: G.GoldenSet, path: ParityPa
     pg = gs.prompts[prompt]
     ids = [int(t) for t in pg.prompt_ids] + [int(t) for t in pg.tokens]
     position = min(position, len(ids) - 2)  # the last golden token is never an input
-    ids = ids[: position + 1]
+    ids = ids[: max(position, len(pg.prompt_ids) - 1) + 1]  # the engine prefills the whole prompt
+    n = position + 1  # the positions compared
+
+    def run(hf: torch.nn.Module, inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        streams, before = hf_streams(hf, ids, device, inputs)
+        return streams[:, :, :n], before
+
     hf = G.hf_model(model, device, torch.float32)
-    ref, ref_in = hf_streams(hf, ids, device)
+    ref, ref_in = run(hf)
     inputs = ref_in.to(getattr(torch, dtype)).float()  # each layer's input as every run alone gets it
-    ref_alone = _updates(hf_streams(hf, ids, device, inputs)[0], inputs)
+    ref_alone = _updates(run(hf, inputs)[0], inputs[:, :n])
     del hf
     eng, eng_alone = engine_streams(model, device, dtype, gs, path, prompt, position, [None, inputs])
     half = dtype != "float32"
     spread, spread_alone = None, None
     for attn in ("sdpa", "eager") if half else ("eager",):
         hf = G.hf_model(model, device, getattr(torch, dtype), attn)
-        spread = _larger(spread, _measure(hf_streams(hf, ids, device)[0], ref))
-        spread_alone = _larger(spread_alone, _measure(_updates(hf_streams(hf, ids, device, inputs)[0], inputs),
-                                                      ref_alone))
+        spread = _larger(spread, _measure(run(hf)[0], ref))
+        spread_alone = _larger(spread_alone, _measure(_updates(run(hf, inputs)[0], inputs[:, :n]), ref_alone))
         del hf
     kind = (f"HF {dtype} (sdpa and eager attention) against HF float32 sdpa, the larger: the rounding a correct "
             f"{dtype} implementation carries in every op" if half else
             "HF float32 eager against HF float32 sdpa: in fp32 HF's only difference from itself is its attention")
-    err, alone = _measure(eng, ref), _measure(_updates(eng_alone, inputs), ref_alone)
+    err, alone = _measure(eng, ref), _measure(_updates(eng_alone, inputs[:, :n]), ref_alone)
     rows = [LayerRow(layer, name, float(err.over[layer, h]), float(spread.over[layer, h]),
                      float(alone.over[layer, h]), float(spread_alone.over[layer, h]), float(alone.at_n[layer, h]),
                      float(spread_alone.at_n[layer, h]), dtype)

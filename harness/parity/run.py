@@ -166,9 +166,10 @@ def select_prompts(gs: G.GoldenSet, prompt: str | None) -> List[int]:
 
 
 def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
-               golden_root: Path = G.GOLDEN_DIR, tp: int = 1, prompt: str | None = None) -> ParityResult:
+               golden_root: Path = G.GOLDEN_DIR, tp: int = 1, prompt: str | None = None,
+               obtained_root: Path = OBTAINED_DIR) -> ParityResult:
     """Every path against the golden (or only its prompt `prompt`); on the first failing path the engine's result is
-    written under build/parity/, and the first failure is shown (harness.parity.failure)."""
+    written under obtained_root (build/parity/), and the first failure is shown (harness.parity.failure)."""
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root)
     indices = select_prompts(full, prompt)
     gs = G.GoldenSet([full.prompts[i] for i in indices], full.provenance)
@@ -176,7 +177,7 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
                           spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
-    folder = OBTAINED_DIR / model / f"{device.split(':')[0]}-{dtype}"
+    folder = obtained_root / model / f"{device.split(':')[0]}-{dtype}"
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
     for path in chosen:
