@@ -26,9 +26,9 @@ class Failure:
 
 
 def _prompt_failure(result: ParityResult, p: PromptResult) -> Failure:
-    if p.failure is None:  # positions the engine never produced: the first is shown
-        return Failure(p.path, p.index, p.prompt, None, p.compared_positions, None, p.reason, "missing")
     at = p.failure
+    if not at.engine_top:  # a position the engine never produced
+        return Failure(p.path, p.index, p.prompt, None, at.position, at.step, p.reason, "missing")
     if p.reason.startswith("token differs"):
         div = p.divergence
         gap = div["golden_logprob_gap"]

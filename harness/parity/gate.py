@@ -61,7 +61,7 @@ class Where:
     step: int | None  # the decode step whose distribution it is (0: the prefill's last position); None: prefill
     value: float  # the statistic there (err, or KL for the distribution gate's KL limits)
     golden_top: List[List[float]]  # [[token id, logprob], ...] the golden's top TOP_SHOWN
-    engine_top: List[List[float]]  # and the engine's
+    engine_top: List[List[float]]  # and the engine's (both empty where the engine produced no logits)
 
 
 TOP_SHOWN = 5
@@ -70,8 +70,10 @@ TOP_SHOWN = 5
 def where(pg: G.PromptGolden, index: int, pos: int, stat: PositionStat, value: float) -> Where:
     ids, lp = golden_row(pg, pos)
     step = pos - len(pg.prompt_ids) + 1
-    return Where(index, pos, step if step >= 0 else None, float(value), [[int(i), float(v)] for i, v in zip(ids[:TOP_SHOWN], lp[:TOP_SHOWN])],
-                 [[int(i), float(v)] for i, v in zip(stat.top_ids[:TOP_SHOWN], stat.top_lp[:TOP_SHOWN])])
+    def top(i: np.ndarray, v: np.ndarray) -> List[List[float]]:
+        return [[int(a), float(b)] for a, b in zip(i[:TOP_SHOWN], v[:TOP_SHOWN])]
+
+    return Where(index, pos, step if step >= 0 else None, float(value), top(ids, lp), top(stat.top_ids, stat.top_lp))
 
 
 @dataclass
@@ -234,7 +236,9 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
         ties |= set(golden_ties.get(pg.name, ()))
         worst, first_over = None, None  # outside router near ties: the largest err, the first err over tol
         n = len(pg.prompt_ids)
-        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax for j in range(len(pg.tokens))]
+        # teacher-forced, the engine's choice is its argmax; a position it did not produce fails below, not here
+        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax if n - 1 + j in stats[uid]
+                                                       else int(t) for j, t in enumerate(pg.tokens)]
         div_step = next((j for j, (a, b) in enumerate(zip(tokens, pg.tokens)) if a != int(b)), None)
         # free-running: positions after a divergence see other inputs than the golden's and are not compared
         last = n - 1 + (len(pg.tokens) - 1 if path.forced or div_step is None else div_step)
@@ -265,6 +269,9 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
             res.worst = where(pg, index, worst[0], worst[1], worst[1].err)
         if res.compared_positions != last + 1:
             res.passed, res.reason = False, f"only {res.compared_positions} of {last + 1} positions were produced"
+            missing = next(pos for pos in range(last + 1) if pos not in stats[uid])
+            step = missing - n + 1
+            res.failure = Where(index, missing, step if step >= 0 else None, float("nan"), [], [])
         elif first_over is not None:
             res.passed, res.reason = False, f"logprob error {worst[1].err:.3g} > tol"
             res.failure = where(pg, index, first_over[0], first_over[1], first_over[1].err)
