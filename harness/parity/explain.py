@@ -39,7 +39,7 @@ from harness.parity.failure import first_failure
 from harness.parity.gate import ParityResult
 from harness.parity.hooks import HALVES, EngineStreams, hf_streams
 from harness.parity.paths import PATHS, ParityPath
-from harness.parity.run import plan_path
+from harness.parity.plan import plan_path
 
 FACTOR = 3.0  # how far beyond HF's own spread the engine's error alone may go: SOURCES, as the gate's KL limits
 # The smallest error alone that counts as a divergence, whatever HF's spread: in fp32 a correct engine's differs from

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import numpy as np
 import torch
 
 from engine import Engine, EngineConfig
-from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from engine.models.config import ModelConfig
 from engine.utils.hf import cached_load_hf_config
@@ -22,39 +20,13 @@ from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
 from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
                                  tie_tolerance, tolerance)
-from harness.parity.paths import PATHS, ParityPath
 from harness.parity.failure import failure_block
+from harness.parity.paths import PATHS, ParityPath
+from harness.parity.plan import PathPlan as _PathPlan, plan_path
 from harness.parity.report import write_report
 from harness.report import REPO_ROOT
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class _PathPlan:
-    """What one path runs: the engine's config and, per group of prompts run together, the driver's arguments."""
-
-    engine_kwargs: Dict[str, Any]
-    params: SamplingParams
-    groups: List[List[int]]
-    prompts: List[List[int]]
-    args: List[Dict[str, Any]]  # per group: forced, prefix_lens
-    max_prefill_tokens: int
-
-
-def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _PathPlan:
-    longest = max(len(p.prompt_ids) + len(p.tokens) for p in gs.prompts)
-    kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
-              max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
-              max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
-              ops_backend=path.ops_backend, moe_backend=path.moe_backend, record_router_margins=True)
-    prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
-    forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
-    groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
-    args = [dict(forced=None if forced is None else [forced[i] for i in group],
-                 prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None) for group in groups]
-    return _PathPlan(kw, SamplingParams(max_tokens=len(gs.prompts[0].tokens), ignore_eos=True), groups, prompts,
-                     args, path.max_prefill_tokens)
-
 
 class _Recorder:
     """Per prompt, the PositionStat of every position the engine produced, the sampled tokens and (MoE) each
