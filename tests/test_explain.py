@@ -17,25 +17,39 @@ from harness.parity.run import run_parity
 
 LAYER = 2  # of 4; in tiny-qwen3-moe a mixture-of-experts layer (its layer 0 is dense)
 CASES = [(model, fault) for model in ("tiny-qwen3", "tiny-qwen3-moe") for fault in FAULTS]
+# sandwich norms: the attention's contribution is normed before it is added, and the MLP's norm has another name
+GEMMA_CASES = [("tiny-gemma3", "attention-scaled"), ("tiny-gemma3", "mlp-norm-unweighted")]
 BATCH = next(p for p in PATHS if p.name == "batch")
 
 
-def _explain(model: str, device: str, dtype: str, prompt: int = 3, step: int = 3):
-    """--explain's comparison on one golden prompt, up to its decode step `step` (prefill, then decode steps)."""
-    gs = G.load_checked(model, device, dtype)
+def _explain(model: str, device: str, dtype: str, prompt: int = 3, step: int = 3, golden_dtype: str | None = None):
+    """--explain's comparison on one golden prompt, up to its decode step `step` (prefill, then decode steps); the
+    prompt's tokens from the golden in golden_dtype (default: dtype)."""
+    gs = G.load_checked(model, device, golden_dtype or dtype)
     return explain(model, device, dtype, gs, BATCH, prompt, len(gs.prompts[prompt].prompt_ids) - 1 + step)
 
 
-@pytest.mark.parametrize("model,fault", CASES)
+@pytest.mark.parametrize("model,fault", CASES + GEMMA_CASES)
 def test_explain_names_the_planted_layer_and_half(model, fault):
-    with planted_in_layer(fault, LAYER):
+    layer = 1 if model == "tiny-gemma3" else LAYER
+    with planted_in_layer(fault, layer):
         e = _explain(model, "cpu", "float32")
-    assert e.first is not None and (e.first.layer, e.first.half) == (LAYER, FAULTS[fault][1]), format_explanation(e)
+    assert e.first is not None and (e.first.layer, e.first.half) == (layer, FAULTS[fault][1]), format_explanation(e)
 
 
 def test_explain_names_no_layer_of_a_correct_engine():
     e = _explain("tiny-qwen3-moe", "cpu", "float32")
     assert e.first is None, format_explanation(e)
+
+
+def test_explain_in_bf16_on_the_cpu_names_the_layer_under_the_rounding_of_the_layers_before_it():
+    """In bf16 the stream of every layer after the first carries more rounding error than a RoPE base off by 100x
+    adds to it; each layer alone shows it (the MoE model's router near ties make it the harder case)."""
+    e = _explain("tiny-qwen3-moe", "cpu", "bfloat16", golden_dtype="float32")  # the CPU has fp32 goldens only
+    assert e.first is None, format_explanation(e)
+    with planted_in_layer("rope-base", LAYER):
+        e = _explain("tiny-qwen3-moe", "cpu", "bfloat16", golden_dtype="float32")
+    assert e.first is not None and (e.first.layer, e.first.half) == (LAYER, "attention"), format_explanation(e)
 
 
 def test_a_failure_says_where_and_why(capsys):
