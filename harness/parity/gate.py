@@ -70,6 +70,7 @@ TOP_SHOWN = 5
 def where(pg: G.PromptGolden, index: int, pos: int, stat: PositionStat, value: float) -> Where:
     ids, lp = golden_row(pg, pos)
     step = pos - len(pg.prompt_ids) + 1
+
     def top(i: np.ndarray, v: np.ndarray) -> List[List[float]]:
         return [[int(a), float(b)] for a, b in zip(i[:TOP_SHOWN], v[:TOP_SHOWN])]
 
