@@ -34,7 +34,7 @@ def test_drift_fails_and_leaves_the_golden_untouched(golden_copy):
     gs.prompts[2].decode_lp[5, 0] -= 0.05  # HF "said" something else at one decode position
     G.save(gs, folder)
     before = digest(folder / "golden.npz")
-    result = run_parity(MODEL, paths=["batch"], golden_root=golden_copy)
+    result = run_parity(MODEL, paths=["batch"], golden_root=golden_copy, obtained_root=golden_copy)
     assert not result.passed
     bad = [p for p in result.prompts if not p.passed]
     assert [p.prompt for p in bad] == [gs.prompts[2].name] and "logprob error" in bad[0].reason

@@ -137,7 +137,7 @@ def test_planted_moe_bug_is_caught(monkeypatch, bug, tmp_path):
 def test_planted_bug_is_caught(monkeypatch, golden_copy, bug):
     cls, name, fn = PLANTED[bug]
     monkeypatch.setattr(cls, name, fn)
-    result = run_parity("tiny-qwen3", paths=["batch"], golden_root=golden_copy)
+    result = run_parity("tiny-qwen3", paths=["batch"], golden_root=golden_copy, obtained_root=golden_copy)
     assert not result.passed and result.obtained.startswith(str(golden_copy))
 
 

@@ -3,7 +3,6 @@ bytes and FLOPs a forward must move, from the model's shapes."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, List

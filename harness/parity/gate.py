@@ -53,9 +53,35 @@ NEAR_TIE_SHARE = 2.0  # the largest share of router near ties left out, as a mul
 
 
 @dataclass
+class Where:
+    """A compared position and both sides' top tokens there: where a failure is shown."""
+
+    prompt: int  # the prompt's index in the golden
+    position: int  # absolute position whose distribution predicts the next token
+    step: int | None  # the decode step whose distribution it is (0: the prefill's last position); None: prefill
+    value: float  # the statistic there (err, or KL for the distribution gate's KL limits)
+    golden_top: List[List[float]]  # [[token id, logprob], ...] the golden's top TOP_SHOWN
+    engine_top: List[List[float]]  # and the engine's (both empty where the engine produced no logits)
+
+
+TOP_SHOWN = 5
+
+
+def where(pg: G.PromptGolden, index: int, pos: int, stat: PositionStat, value: float) -> Where:
+    ids, lp = golden_row(pg, pos)
+    step = pos - len(pg.prompt_ids) + 1
+
+    def top(i: np.ndarray, v: np.ndarray) -> List[List[float]]:
+        return [[int(a), float(b)] for a, b in zip(i[:TOP_SHOWN], v[:TOP_SHOWN])]
+
+    return Where(index, pos, step if step >= 0 else None, float(value), top(ids, lp), top(stat.top_ids, stat.top_lp))
+
+
+@dataclass
 class PromptResult:
     path: str
     prompt: str
+    index: int = 0  # the prompt's index in the golden
     max_err_prefill: float = 0.0
     max_err_decode: float = 0.0
     max_kl: float = 0.0
@@ -66,6 +92,8 @@ class PromptResult:
     reason: str = ""
     router_near_ties: int = 0  # compared positions whose routing is a near tie (MoE)
     router_excused: int = 0  # of those, positions whose err exceeds tol
+    failure: Where | None = None  # the position that failed the prompt: the first err over tol, or the divergence
+    worst: Where | None = None  # the largest err outside router near ties
 
 
 @dataclass
@@ -81,6 +109,8 @@ class PathResult:
     router_near_ties: int = 0
     router_excused: int = 0
     left_out: int = 0  # router near ties left out of the distribution (MoE in half precision)
+    worst_err: Where | None = None  # the gated positions' largest err
+    worst_kl: Where | None = None  # and largest KL
 
 
 @dataclass
@@ -95,6 +125,8 @@ class ParityResult:
     prompts: List[PromptResult] = field(default_factory=list)
     paths: List[PathResult] = field(default_factory=list)
     obtained: str = ""  # where the engine's result was written when parity failed
+    failure: str = ""  # the first failure, shown (harness.parity.failure.failure_block)
+    model_args: str = ""  # how a command line names the model and its goldens (--model NAME, --model-path DIR ...)
     tp: int = 1
     router_tie: float | None = None  # the router near-tie margin (MoE models only)
 
@@ -191,25 +223,28 @@ def _divergence(pg: G.PromptGolden, j: int, engine_tok: int, stat: PositionStat,
 def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]],
              outputs: List[List[int]], tol: float, tie_tol: float | None = None,
              limits: Dict[str, float] | None = None, margins: Dict[int, Dict[int, float]] | None = None,
-             router_tie: float = 0.0) -> tuple[List[PromptResult], PathResult]:
+             router_tie: float = 0.0, indices: List[int] | None = None) -> tuple[List[PromptResult], PathResult]:
     """Per prompt: every position's error against tol, and the first divergence; per path: the distribution gate.
     margins: per prompt and position, the smallest router margin over the MoE layers (None: a dense model); the
-    golden's own near ties join the engine's."""
+    golden's own near ties join the engine's. indices: each prompt's index in the full golden (gs may be a subset)."""
     tie_tol = 2 * tol if tie_tol is None else tie_tol
     golden_ties = gs.provenance.get("hf_router_near_ties", {}) if margins is not None else {}
     leave_out = margins is not None and limits is not None  # half precision gates MoE models away from near ties
-    results, errs, kls, left_out = [], [], [], 0
+    results, errs, kls, gated, left_out = [], [], [], [], 0
     for uid, pg in enumerate(gs.prompts):
-        res = PromptResult(path.name, pg.name)
+        index = uid if indices is None else indices[uid]
+        res = PromptResult(path.name, pg.name, index)
         ties = {pos for pos, m in (margins or {}).get(uid, {}).items() if m <= router_tie}
         ties |= set(golden_ties.get(pg.name, ()))
-        worst = 0.0  # the largest err outside router near ties
+        worst, first_over = None, None  # outside router near ties: the largest err, the first err over tol
         n = len(pg.prompt_ids)
-        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax for j in range(len(pg.tokens))]
+        # teacher-forced, the engine's choice is its argmax; a position it did not produce fails below, not here
+        tokens = outputs[uid] if not path.forced else [stats[uid][n - 1 + j].argmax if n - 1 + j in stats[uid]
+                                                       else int(t) for j, t in enumerate(pg.tokens)]
         div_step = next((j for j, (a, b) in enumerate(zip(tokens, pg.tokens)) if a != int(b)), None)
         # free-running: positions after a divergence see other inputs than the golden's and are not compared
         last = n - 1 + (len(pg.tokens) - 1 if path.forced or div_step is None else div_step)
-        for pos, st in stats[uid].items():
+        for pos, st in sorted(stats[uid].items()):
             if pos > last:
                 continue
             res.compared_positions += 1
@@ -218,6 +253,7 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
             else:
                 errs.append(st.err)
                 kls.append(st.kl)
+                gated.append((uid, pos, st))
             if pos < n - 1:
                 res.max_err_prefill = max(res.max_err_prefill, st.err)
             else:
@@ -226,19 +262,34 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
             if pos in ties:
                 res.router_near_ties += 1
                 res.router_excused += st.err > tol
-            else:
-                worst = max(worst, st.err)
+                continue
+            if worst is None or st.err > worst[1].err:
+                worst = (pos, st)
+            if first_over is None and st.err > tol:
+                first_over = (pos, st)
+        if worst is not None:
+            res.worst = where(pg, index, worst[0], worst[1], worst[1].err)
         if res.compared_positions != last + 1:
             res.passed, res.reason = False, f"only {res.compared_positions} of {last + 1} positions were produced"
-        elif worst > tol:
-            res.passed, res.reason = False, f"logprob error {worst:.3g} > tol"
+            missing = next(pos for pos in range(last + 1) if pos not in stats[uid])
+            step = missing - n + 1
+            res.failure = Where(index, missing, step if step >= 0 else None, float("nan"), [], [])
+        elif first_over is not None:
+            res.passed, res.reason = False, f"logprob error {worst[1].err:.3g} > tol"
+            res.failure = where(pg, index, first_over[0], first_over[1], first_over[1].err)
         if div_step is not None:
-            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][n - 1 + div_step], tie_tol,
-                                         n - 1 + div_step in ties)
+            pos = n - 1 + div_step
+            res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][pos], tie_tol, pos in ties)
             if not res.divergence["near_tie"] and res.passed:
                 res.passed, res.reason = False, f"token differs at step {div_step} and it is not a near tie"
+                res.failure = where(pg, index, pos, stats[uid][pos], stats[uid][pos].err)
         results.append(res)
     path_result = check_path(path.name, errs, kls, limits, left_out)
+    if gated:
+        for attr, key in (("worst_err", "err"), ("worst_kl", "kl")):
+            uid, pos, st = max(gated, key=lambda g: getattr(g[2], key))
+            idx = uid if indices is None else indices[uid]
+            setattr(path_result, attr, where(gs.prompts[uid], idx, pos, st, getattr(st, key)))
     path_result.router_near_ties = sum(r.router_near_ties for r in results)
     path_result.router_excused = sum(r.router_excused for r in results)
     return results, path_result

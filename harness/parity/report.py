@@ -95,13 +95,13 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
             f"floor))")
     summary = text_table(summary_rows(result))
     failing = [_row(p) for p in result.prompts if not p.passed]
-    text = f"{head}\n{summary}"
+    text = f"{result.failure}\n{head}\n{summary}" if result.failure else f"{head}\n{summary}"
     if failing:
         text += "\nfailing prompts:\n" + text_table(failing, ["path", "prompt", "passed", "divergence"])
     bad_paths = [f"{p.path}: {p.reason}" for p in result.paths if not p.passed]
     if bad_paths:
         text += "\nfailing error distributions:\n  " + "\n  ".join(bad_paths)
-    if failing or bad_paths:
+    if (failing or bad_paths) and not result.failure:
         text += f"\nthe engine's result, in the golden's format: {result.obtained}"
     if not write_files:
         return text
@@ -111,9 +111,11 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     moe = result.router_tie is not None
     dist_cols = ROUTER_DIST_COLUMNS if moe else DIST_COLUMNS
     prompt_cols = COLUMNS[:-1] + ["router_near_ties", "passed"] if moe else COLUMNS
+    first = f"```\n{result.failure}\n```\n\n" if result.failure else ""
     paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
+          f"{first}"
           f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
           f"## Error distribution per path\n{_hf_line(result)}"
           f"{markdown_table(distribution_rows(result), dist_cols)}\n"

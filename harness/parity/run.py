@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import numpy as np
 import torch
 
 from engine import Engine, EngineConfig
-from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import UserError, check_device
 from harness import golden as G
@@ -22,36 +20,13 @@ from harness.driver import Driver
 from harness.models import ModelRef, as_model, resolve_models
 from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
                                  tie_tolerance, tolerance)
+from harness.parity.failure import failure_block
 from harness.parity.paths import PATHS, ParityPath
+from harness.parity.plan import PathPlan as _PathPlan, plan_path
 from harness.parity.report import write_report
+from harness.report import REPO_ROOT
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class _PathPlan:
-    """What one path runs: the engine's config and, per group of prompts run together, the driver's arguments."""
-
-    engine_kwargs: Dict[str, Any]
-    params: List[SamplingParams]  # per prompt: as many new tokens as its golden has
-    groups: List[List[int]]
-    prompts: List[List[int]]
-    args: List[Dict[str, Any]]  # per group: forced, prefix_lens
-    max_prefill_tokens: int
-
-
-def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> _PathPlan:
-    longest = max(len(p.prompt_ids) + len(p.tokens) for p in gs.prompts)
-    kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
-              max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
-              max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
-              ops_backend=path.ops_backend, moe_backend=path.moe_backend, record_router_margins=True)
-    prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
-    forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
-    groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]
-    args = [dict(forced=None if forced is None else [forced[i] for i in group],
-                 prefix_lens=[len(prompts[i]) // 2 for i in group] if path.prefix else None) for group in groups]
-    params = [SamplingParams(max_tokens=len(pg.tokens), ignore_eos=True) for pg in gs.prompts]
-    return _PathPlan(kw, params, groups, prompts, args, path.max_prefill_tokens)
 
 
 class _Recorder:
@@ -149,17 +124,38 @@ def model_is_moe(model: ModelRef | str) -> bool:
     return as_model(model).is_moe
 
 
+OBTAINED_DIR = REPO_ROOT / "build" / "parity"  # git-ignored: the engine's result of a failing run
+
+
+def select_prompts(gs: G.GoldenSet, prompt: str | None) -> List[int]:
+    """The golden prompts to run: every one, or the one --prompt names (its index in the golden, or its name)."""
+    if prompt is None:
+        return list(range(len(gs.prompts)))
+    names = [p.name for p in gs.prompts]
+    if prompt.isdigit() and int(prompt) < len(names):
+        return [int(prompt)]
+    if prompt in names:
+        return [names.index(prompt)]
+    raise UserError(f"--prompt {prompt}: the golden of {gs.provenance['model']} has no such prompt; give an index "
+                    f"from 0 to {len(names) - 1} or one of its names: {', '.join(names)}")
+
+
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
-               golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None) -> ParityResult:
-    """Every path against the golden (under golden_root, default: the model's); on the first failing path the
-    engine's result is written beside the golden."""
-    gs = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
+               golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
+               prompt: str | None = None, obtained_root: Path = OBTAINED_DIR) -> ParityResult:
+    """Every path against the golden (under golden_root, default: the model's), or only its prompt `prompt`; on the
+    first failing path the engine's result is written under obtained_root (build/parity/), and the first failure is
+    shown (harness.parity.failure)."""
+    full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
+    indices = select_prompts(full, prompt)
+    gs = G.GoldenSet([full.prompts[i] for i in indices], full.provenance)
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model.name, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
                           spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
-    folder = G.golden_dir(model, device.split(":")[0], dtype)
+    result.model_args = model.args + model.golden_args
+    folder = obtained_root / model.name / f"{device.split(':')[0]}-{dtype}"
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
     for path in chosen:
@@ -167,12 +163,16 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
         stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
-                                        margins if is_moe else None, result.router_tie or 0.0)
+                                        margins if is_moe else None, result.router_tie or 0.0, indices)
         result.prompts += prompts
         result.paths.append(path_result)
         if was_passing and not result.passed:
             G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
             result.obtained = str(folder / "golden.obtained.npz")
+    if not result.passed:
+        from transformers import AutoTokenizer
+
+        result.failure = failure_block(result, full, AutoTokenizer.from_pretrained(model.folder)) or ""
     return result
 
 
@@ -188,7 +188,7 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
                         f"give --tp {torch.cuda.device_count()} or fewer")
     for model in models:
         for dtype in dtypes:
-            G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
+            select_prompts(G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts), args.prompt)
 
 
 def command(args: argparse.Namespace) -> int:
@@ -199,10 +199,14 @@ def command(args: argparse.Namespace) -> int:
     failed = False
     for model in models:
         for dtype in dtypes:
-            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts)
+            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
-    if not args.no_sampling and args.device == "cpu":
+            if args.explain and not result.passed:
+                from harness.parity.explain import explain_failure
+
+                print(explain_failure(result, G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts), model))
+    if not args.no_sampling and args.device == "cpu" and args.prompt is None:
         from harness.sampling.run import main_from_parity
 
         failed |= main_from_parity(update=args.update_reports) != 0
