@@ -20,10 +20,9 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from engine.moe.base import router_margin
-from harness import UserError, check_device, zoo
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress, zoo
 from harness.compare import ROUTER_TIE, compare_row
 from harness.report import provenance
 
@@ -211,7 +210,7 @@ def make_golden(model: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     gen = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True,
                return_dict_in_generate=True)
     out: List[PromptGolden] = []
-    for p, pid in tqdm(list(zip(prompts, ids)), desc=f"golden {model} {device} {dtype}"):
+    for p, pid in progress.bar(list(zip(prompts, ids)), desc=f"golden {model} {device} {dtype}"):
         x = torch.tensor([pid], device=device)
         res = hf.generate(x, **gen)
         tokens = res.sequences[0, len(pid):]
@@ -317,15 +316,17 @@ def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
 
 def _cmd(args: argparse.Namespace) -> int:
     check_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    kind, dtype = args.device.split(":")[0], getattr(torch, args.dtype)
     models = args.model or list(GOLDEN_MODELS)
     # the committed goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
-    committed = {m: load_checked(m, args.device, args.dtype) for m in models if args.check or args.refresh_spread}
-    status = 0
+    committed = {m: load_checked(m, kind, args.dtype) for m in models if args.check or args.refresh_spread}
+    status = EXIT_PASS
     for model in models:
-        folder = golden_dir(model, args.device, args.dtype)
+        folder, clock = golden_dir(model, kind, args.dtype), progress.Stopwatch()
+        what = f"{model} {args.device} {args.dtype}"
         if args.refresh_spread:
             spread = refresh_spread(model, args.device, dtype)
+            progress.line("golden", f"{what} spread", "done", clock.lap())
             for label, st in (("", spread.stats), (" (no router near tie)", spread.routed)):
                 if st is not None:
                     print(f"{model}: HF spread over {st['positions']} positions{label}: err p99 {st['err_p99']:.3g}, "
@@ -337,10 +338,12 @@ def _cmd(args: argparse.Namespace) -> int:
             d = drift(committed[model], fresh)
             ok = d["token_mismatches"] == 0 and d["max_abs_top1_logprob_diff"] <= \
                 4 * committed[model].provenance["hf_spread_max_abs_logprob"]
+            progress.line("golden", f"{what} check", "PASS" if ok else "DRIFT", clock.lap())
             print(f"{model}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
-            status |= 0 if ok else 1
+            status = status if ok else EXIT_FINDING
         else:
             save(fresh, folder)
+            progress.line("golden", what, "wrote", clock.lap())
             print(f"wrote {folder} (HF spread {fresh.provenance['hf_spread_max_abs_logprob']:.2e})")
     return status
 
@@ -348,7 +351,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("golden", help="run HF on the prompt set and write (or --check) golden files")
     p.add_argument("--model", action="append", choices=list(zoo.MODELS), help=f"default: {', '.join(GOLDEN_MODELS)}")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     what = p.add_mutually_exclusive_group()
     what.add_argument("--check", action="store_true",

@@ -10,6 +10,7 @@ import argparse
 
 def register(sub: argparse._SubParsersAction) -> None:
     from harness import golden as G
+    from harness import junit
     from harness import zoo
     from harness.parity.gate import FLOOR
     from harness.parity.paths import PATHS
@@ -27,4 +28,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--no-report", action="store_true", help="print only; write no report files")
     add_update_flag(where)
     p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
+    junit.add_flag(p)
     p.set_defaults(func=command)

@@ -81,6 +81,7 @@ class PathResult:
     router_near_ties: int = 0
     router_excused: int = 0
     left_out: int = 0  # router near ties left out of the distribution (MoE in half precision)
+    seconds: float = 0.0  # the path's engine run and comparison
 
 
 @dataclass

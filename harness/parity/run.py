@@ -16,7 +16,7 @@ from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from engine.models.config import ModelConfig
 from engine.utils.hf import cached_load_hf_config
-from harness import UserError, check_device, zoo
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, zoo
 from harness import golden as G
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
@@ -157,13 +157,18 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
                           spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
     folder = G.golden_dir(model, device.split(":")[0], dtype, golden_root)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
-    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
+    clock = progress.Stopwatch()
+    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}  # the first path's line times all
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model, device, dtype, path.name)
         stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
                                         margins if is_moe else None, result.router_tie or 0.0)
+        path_result.seconds = clock.lap()
+        passed = path_result.passed and all(p.passed for p in prompts)
+        progress.line("parity", f"{model} {device} {dtype} {path.name}", "PASS" if passed else "FAIL",
+                      path_result.seconds)
         result.prompts += prompts
         result.paths.append(path_result)
         if was_passing and not result.passed:
@@ -173,7 +178,8 @@ def run_parity(model: str, device: str = "cpu", dtype: str = "float32", paths: L
 
 
 def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> None:
-    """What the user asked for, before any engine runs: the device, the ranks, a golden for every model and dtype."""
+    """What the user asked for, before any engine runs: the device, the ranks, the paths, a golden for every model and
+    dtype, where the JUnit file goes."""
     cuda = args.device.startswith("cuda")
     check_device(args.device, flashinfer=cuda)
     if args.tp < 1:
@@ -181,6 +187,10 @@ def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> No
     if cuda and args.tp > torch.cuda.device_count():
         raise UserError(f"--tp {args.tp}: each rank needs a GPU and this machine has {torch.cuda.device_count()}; "
                         f"give --tp {torch.cuda.device_count()} or fewer")
+    gpu_only = [p.name for p in PATHS if p.name in (args.path or []) and not p.applies_to(args.device, is_moe=True)]
+    if gpu_only:
+        raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
+    junit.check_path(args.junit)
     for model in models:
         for dtype in dtypes:
             G.load_checked(model, args.device.split(":")[0], dtype)
@@ -190,14 +200,19 @@ def command(args: argparse.Namespace) -> int:
     models = args.model or list(G.GOLDEN_MODELS)
     dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
     _check(args, models, dtypes)
-    failed = False
+    failed, suites = False, []
     for model in models:
         for dtype in dtypes:
             result = run_parity(model, args.device, dtype, args.path, tp=args.tp)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
+            suites.append(junit.parity_suite(result))
     if not args.no_sampling and args.device == "cpu":
         from harness.sampling.run import main_from_parity
 
-        failed |= main_from_parity(update=args.update_reports) != 0
-    return 1 if failed else 0
+        grid = main_from_parity(update=args.update_reports)
+        failed |= not grid.passed
+        suites.append(junit.sampling_suite(grid, "cpu"))
+    if args.junit:
+        print(f"junit: {junit.write(args.junit, suites)}")
+    return EXIT_FINDING if failed else EXIT_PASS

@@ -8,7 +8,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from harness import report
+    from harness import junit, report
     from harness.sampling.cases import REAL_MODELS
     from harness.sampling.run import DEFAULT_MAX_COST, command
 
@@ -24,4 +24,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real-model", action="append", choices=list(REAL_MODELS),
                    help=f"the models whose real logits make cases (default: {', '.join(REAL_MODELS)})")
     p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
+    junit.add_flag(p)
     p.set_defaults(func=command)
