@@ -18,7 +18,7 @@ import sys
 import traceback
 from typing import Callable, List, NoReturn
 
-from harness import EXIT_INTERNAL_ERROR, EXIT_PASS, EXIT_USER_ERROR, UserError
+from harness import EXIT_INTERNAL_ERROR, EXIT_PASS, EXIT_USER_ERROR, UserError, progress
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,6 +89,7 @@ def main(argv: List[str] | None = None) -> int:
     UserError, a golden refused: GoldenError is one) ends in one line on stderr; any other exception is an internal
     error and keeps its traceback."""
     verbose = False
+    progress.quiet_libraries()
     try:
         args = build_parser().parse_args(argv)
         verbose = args.verbose

@@ -5,6 +5,7 @@ escape codes)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Iterable
@@ -15,6 +16,22 @@ WHAT_WIDTH = 44  # the verdicts of one verb line up
 def interactive() -> bool:
     """Whether stderr is a terminal, where bars redraw in place."""
     return sys.stderr.isatty()
+
+
+def quiet_libraries() -> None:
+    """Off a terminal, the bars of HF's libraries too (transformers' "Loading weights", huggingface_hub's downloads):
+    the environment reaches them when they are imported, here and in the processes this one starts."""
+    if interactive():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:

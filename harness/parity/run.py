@@ -13,7 +13,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.core import SamplingParams
-from engine.distributed import DistributedInfo
+from engine.distributed import DistributedInfo, div_even
 from engine.models.config import ModelConfig
 from engine.utils.hf import cached_load_hf_config
 from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, zoo
@@ -192,8 +192,21 @@ def _check(args: argparse.Namespace, models: List[str], dtypes: List[str]) -> No
         raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
     junit.check_path(args.junit)
     for model in models:
+        if args.tp > 1:
+            _check_tp(model, args.tp)
         for dtype in dtypes:
             G.load_checked(model, args.device.split(":")[0], dtype)
+
+
+def _check_tp(model: str, tp: int) -> None:
+    """The engine's rule (engine.engine): TP splits the attention heads evenly; fewer KV heads are replicated."""
+    mc = ModelConfig.from_hf(cached_load_hf_config(str(zoo.path(model))))
+    try:
+        div_even(mc.num_qo_heads, tp)
+        div_even(mc.num_kv_heads, tp, allow_replicate=True)
+    except ValueError as e:
+        raise UserError(f"--tp {tp} does not fit {model} ({mc.num_qo_heads} attention heads, {mc.num_kv_heads} KV "
+                        f"heads: {e}); give a --tp that divides its attention heads") from None
 
 
 def command(args: argparse.Namespace) -> int:
