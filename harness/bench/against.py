@@ -150,7 +150,7 @@ def _setup(model: str, device: str, spec: AgainstSpec) -> Dict[str, Any]:
     from harness import zoo
 
     zoo.prepare(model)
-    seq = max(spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths) + 64
+    seq = max([spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths]) + 64
     return {"model_path": str(zoo.path(model)), "dummy_weights": not zoo.MODELS[model].has_weights,
             "device": device, "dtype": DTYPES[device.split(":")[0]], "max_running_req": max(spec.decode_bs),
             "max_seq_len": seq, "num_pages": max(spec.decode_bs) * seq + seq}
