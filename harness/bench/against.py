@@ -244,7 +244,7 @@ def _spec(args: Any, device: str) -> AgainstSpec:
     spec = SPECS[device]
     if args.repeats is not None:
         if args.repeats < 1:
-            raise UserError(f"--repeats {args.repeats}: give 1 or more paired repeats per round")
+            raise UserError(f"--repeats {args.repeats} measures nothing; give 1 or more paired repeats per round")
         spec = AgainstSpec(**{**asdict(spec), "repeats": args.repeats})
     if args.rounds is not None:
         if args.rounds < 2:
@@ -261,8 +261,8 @@ def command(args: Any) -> int:
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     spec = _spec(args, device)
     if args.fail_if_slower is not None and not args.fail_if_slower >= 0:
-        raise UserError(f"--fail-if-slower {args.fail_if_slower}: give the percent slower a row may be, 0 or more "
-                        "(e.g. 5)")
+        raise UserError(f"--fail-if-slower {args.fail_if_slower:g} is not a percentage of 0 or more; give the percent "
+                        "slower a row may be (e.g. 5)")
     out_dir = report_root(args.update_reports) / "bench" / device
     result = run_against(args.against, args.device, args.model or DEFAULT_MODELS[device], spec, out_dir,
                          args.fail_if_slower)

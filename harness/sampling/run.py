@@ -179,7 +179,8 @@ def main_from_parity(update: bool = False) -> GridResult:
 def command(args: argparse.Namespace) -> int:
     check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
     if args.max_cost is not None and args.max_cost <= 0:
-        raise UserError(f"--max-cost {args.max_cost}: give a positive number of draws x vocab, e.g. 2.5e8")
+        raise UserError(f"--max-cost {args.max_cost:g} allows no draw; give a positive number of draws x vocab, "
+                        "e.g. 2.5e8")
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is a file; give a folder for the report")
     junit.check_path(args.junit)
