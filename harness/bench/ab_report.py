@@ -43,6 +43,7 @@ def plot(result: Dict[str, Any], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     rows, pct = result["rows"], result.get("fail_if_slower_pct")
     colors = {"faster": "tab:green", "slower": "tab:orange", "no difference": "tab:gray"}
@@ -54,6 +55,8 @@ def plot(result: Dict[str, Any], path: Path) -> Path:
     ax.axvline(1.0, color="black", lw=1, label="1: no difference")
     if pct is not None:
         ax.axvline(threshold_ratio(pct), color="tab:red", ls="--", label=f"--fail-if-slower {pct:g}%")
+    ax.set_xscale("log")  # ratios multiply: an interval exp(mean +- half) is symmetric on this axis
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yticks(range(len(rows)), [row_name(r) for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("reference time / new time, with its interval (above 1: the new revision is faster)")
