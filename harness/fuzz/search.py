@@ -154,11 +154,10 @@ class _Search:
         stats = PhaseStats(config)
         self.phases.append(stats)
         vocab = self._prepare(config)
-        try:
-            return self._search_phase(config, stats, vocab)
-        finally:
-            if self.on_phase is not None:
-                self.on_phase(len(self.phases), stats)
+        found = self._search_phase(config, stats, vocab)
+        if self.on_phase is not None:
+            self.on_phase(len(self.phases), stats)
+        return found
 
     def _search_phase(self, config: FuzzConfig, stats: PhaseStats, vocab: int) -> bool:
         end = min(self.deadline, self._now() + self.phase_seconds)
