@@ -318,6 +318,10 @@ def _cmd(args: argparse.Namespace) -> int:
     check_device(args.device)
     kind, dtype = args.device.split(":")[0], getattr(torch, args.dtype)
     models = args.model or list(GOLDEN_MODELS)
+    weightless = [m for m in models if not zoo.MODELS[m].has_weights]
+    if weightless:
+        raise UserError(f"--model {weightless[0]} has no weights (a config for dummy-weight benchmarks), so HF has no "
+                        f"output to record; choose a model with weights: {', '.join(GOLDEN_MODELS)}")
     # the committed goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
     committed = {m: load_checked(m, kind, args.dtype) for m in models if args.check or args.refresh_spread}
     status = EXIT_PASS
