@@ -46,7 +46,7 @@ def line(verb: str, what: str, verdict: str, seconds: float) -> None:
     redraws them), flushed so that a log shows it as it happens."""
     from tqdm import tqdm
 
-    tqdm.write(f"{verb} {what:<{WHAT_WIDTH}} {verdict:<6} {seconds:7.1f} s", file=sys.stderr)
+    tqdm.write(f"{verb} {what:<{WHAT_WIDTH}} {verdict:<9} {seconds:7.1f} s", file=sys.stderr)
     sys.stderr.flush()
 
 

@@ -48,7 +48,8 @@ def _row(model: str, runner: str, workload: str, bs: int, length: int, secs: Lis
 
 def _progress(row: Dict[str, Any], clock: progress.Stopwatch) -> Dict[str, Any]:
     """The row, after its line: what was measured, its median, the seconds since the previous line."""
-    what = f"{row['model']} {row['runner']} {row['workload']} bs {row.get('batch_size', 1)} len {row['length']}"
+    bs = f" bs {row['batch_size']}" if "batch_size" in row else ""
+    what = f"{row['model']} {row['runner']} {row['workload']}{bs} len {row['length']}"
     progress.line("bench", what, f"{1e3 * row['median_s']:.4g} ms", clock.lap())
     return row
 
