@@ -106,7 +106,7 @@ class GraphRunner:
         pool = None
         kinds = (False, True) if self.attn_backend.ragged_prefill else (False,)
         for t, own in tqdm([(t, own) for t in reversed(self.prefill_tokens) for own in kinds],
-                           desc="capturing prefill CUDA graphs"):
+                           desc="capturing prefill CUDA graphs", disable=None):  # None: drawn on a terminal only
             batch = Batch(reqs=[], phase="prefill")  # every token belongs to the padding entry
             batch.padded_reqs, batch.padded_tokens, batch.no_prefix = [], t, own
             self._load(batch, 0, t)
@@ -131,7 +131,8 @@ class GraphRunner:
         ctx = get_global_ctx()
         self.attn_backend.init_capture_graph(ctx.page_table.shape[1], self.graph_bs)
         # Largest first, so the smaller graphs reuse the pool the largest one sized.
-        for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="capturing decode CUDA graphs"):
+        for bs in tqdm(reversed(self.graph_bs), total=len(self.graph_bs), desc="capturing decode CUDA graphs",
+                       disable=None):
             batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
             batch.padded_reqs = batch.reqs
             self._load(batch, 0, bs)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# Exit status of every verb (python -m harness VERB), the contract a CI gates on; harness/__main__.py says more.
+EXIT_PASS = 0  # every check passed
+EXIT_FINDING = 1  # a check found something: a parity or sampling FAIL, a fuzzer failure, an A/B row slower than allowed
+EXIT_USER_ERROR = 2  # what was asked cannot be done here: one line `error: <what is wrong>; <what to do>`
+EXIT_INTERNAL_ERROR = 3  # the harness or the engine broke: the traceback is kept
+
 
 class UserError(Exception):
     """What the user asked for cannot be done here. The message says what is wrong and what to do; python -m harness

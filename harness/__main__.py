@@ -1,4 +1,13 @@
-"""python -m harness {models,golden,parity,sampling,bench,fuzz,resolution} ... (each verb's --help says more)."""
+"""python -m harness {models,golden,parity,sampling,bench,fuzz,resolution} ... (each verb's --help says more).
+
+Exit status, the same for every verb (harness.EXIT_*):
+  0  pass: every check held
+  1  a finding: a parity or sampling FAIL, a fuzzer failure, HF drifting from a golden (golden --check), a check
+     that fails with no fault planted (resolution), an A/B row slower than --fail-if-slower allows (bench --against)
+  2  a user error: what was asked cannot be done here (a flag or value, a missing golden, a GPU this machine lacks);
+     one line on stderr, `error: <what is wrong>; <what to do>` (-v adds the traceback)
+  3  an internal error: the harness or the engine broke; the traceback is kept on stderr
+"""
 
 from __future__ import annotations
 
@@ -9,14 +18,14 @@ import sys
 import traceback
 from typing import Callable, List, NoReturn
 
-from harness import UserError
+from harness import EXIT_INTERNAL_ERROR, EXIT_PASS, EXIT_USER_ERROR, UserError, progress
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse's own errors (an unknown verb, model or flag) in the same one line as the verbs' errors."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+        self.exit(EXIT_USER_ERROR, f"error: {message}; see {self.prog} --help\n")
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -34,16 +43,17 @@ def _models(args: argparse.Namespace) -> int:
     if args.action == "list":
         for name in zoo.MODELS:
             print(f"{name:20s} {'prepared' if zoo.is_prepared(name) else 'not prepared':13s} {zoo.zoo_dir() / name}")
-        return 0
+        return EXIT_PASS
     names = args.names or [zoo.DEFAULT_MODEL]
     for name in names:
         folder = zoo.prepare(name, force=args.force) if args.action == "prepare" else zoo.path(name)
         print(folder)
-    return 0
+    return EXIT_PASS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m harness", description=__doc__)
+    parser = _Parser(prog="python -m harness", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; errors keep their traceback")
     sub = parser.add_subparsers(dest="verb", required=True)
 
@@ -82,19 +92,27 @@ def one_line(message: str) -> str:
 
 
 def main(argv: List[str] | None = None) -> int:
-    """Run one verb. What the user asked for and this machine cannot do (a UserError, a golden refused: GoldenError
-    is one) ends in one line on stderr and exit status 2; any other exception is an internal error and keeps its
-    traceback."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """Run one verb; its exit status (the module's docstring). What the user asked for and this machine cannot do (a
+    UserError, a golden refused: GoldenError is one) ends in one line on stderr; any other exception is an internal
+    error and keeps its traceback."""
+    verbose = False
+    progress.quiet_libraries()
     try:
+        args = build_parser().parse_args(argv)
+        verbose = args.verbose
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return args.func(args)
     except UserError as e:
-        if args.verbose:
+        if verbose:
             traceback.print_exc()
         print(f"error: {one_line(str(e))}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except Exception:
+        traceback.print_exc()
+        print(f"internal error: the harness or the engine broke (the traceback above; exit status "
+              f"{EXIT_INTERNAL_ERROR})", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
 
 
 if __name__ == "__main__":

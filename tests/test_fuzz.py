@@ -4,11 +4,13 @@ JSON case; cases round-trip through JSON."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from harness import junit
 from harness.__main__ import main
 from harness.fuzz.case import Case, Failure, Past
 from harness.fuzz.cli import replay
@@ -58,12 +60,25 @@ def test_planted_fault_is_found_and_shrunk(planted_result):
     assert case.reproduced.startswith(("alone", "on a fresh engine after")), case.reproduced
 
 
-def test_replay_reproduces_the_case(planted_result, evaluator, capsys):
+def test_the_configuration_that_failed_is_a_junit_failure_with_the_minimal_case(planted_result, tmp_path):
+    junit.write(tmp_path / "junit.xml", [junit.fuzz_suite(planted_result)])
+    cases = ET.parse(tmp_path / "junit.xml").getroot().findall("./testsuite/testcase")
+    assert len(cases) == len(planted_result.phases) and all(c.get("classname") == "fuzz.tiny-qwen3.cpu" for c in cases)
+    failures = [c.find("failure") for c in cases if c.find("failure") is not None]
+    assert len(failures) == 1
+    assert failures[0].get("message").startswith(f"invariant {planted_result.case.failure.invariant}, in the ")
+    assert f"replay: python -m harness fuzz --device cpu --model tiny-qwen3 --replay {planted_result.case_path}" in \
+        failures[0].text
+
+
+def test_replay_reproduces_the_case(planted_result, evaluator, capsys, tmp_path):
     path = planted_result.case_path
     evaluator.host.close()  # the CLI starts engines of its own: one Engine per process
-    assert main(["fuzz", "--replay", str(path), "--plant", FAULT]) == 1
+    assert main(["fuzz", "--replay", str(path), "--plant", FAULT, "--junit", str(tmp_path / "junit.xml")]) == 1
     assert f"{planted_result.case.failure.invariant} in the {planted_result.case.failure.stage} run" in \
         capsys.readouterr().out
+    failure = ET.parse(tmp_path / "junit.xml").getroot().find("./testsuite/testcase/failure")
+    assert failure is not None and failure.get("message").startswith("invariant ")
     _, clean = replay(path, evaluator=evaluator)  # the same case on the engine without the fault
     assert clean is None, clean
 

@@ -1,7 +1,8 @@
 """python -m harness bench: how fast the engine is, beside HF generate on the same model and workload (workloads)
 and the hardware's limit measured on the same device (limits); on CUDA each decode step's profile names the bound
 (profile); run measures, report writes the tables and plots; against compares this tree with another revision in
-one run (ab_runner: one side's process, ab_stats: the paired ratio and its interval)."""
+one run (ab_runner: one side's process, ab_stats: the paired ratio, its interval and the performance gate,
+ab_report: its report and plot)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "4 cuda)")
     p.add_argument("--rounds", type=int, help="--against: rounds, each a fresh pair of processes; the interval is over "
                                               "them (default 4)")
+    p.add_argument("--fail-if-slower", type=float, metavar="PCT",
+                   help="--against: the performance gate; exit status 1 when a row's interval lies wholly beyond PCT "
+                        "percent slower than REF (the rows are named, and against.png draws the threshold)")
     add_update_flag(p)
     p.set_defaults(func=_command)
 
 
+AGAINST_ONLY = ("repeats", "rounds", "fail_if_slower")
+
+
 def _command(args: argparse.Namespace) -> int:
+    from harness import UserError
+
+    stray = [f"--{k.replace('_', '-')}" for k in AGAINST_ONLY if getattr(args, k) is not None]
+    if args.against is None and stray:
+        raise UserError(f"{' '.join(stray)}: only an A/B run takes it; add --against REF (e.g. --against main)")
     if args.against is not None:
         from harness.bench.against import command
     else:

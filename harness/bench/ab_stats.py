@@ -69,3 +69,15 @@ def _log_ratio_interval(logs: Sequence[float], confidence: float) -> PairedRatio
     low, high = math.exp(mean - half), math.exp(mean + half)
     verdict = "faster" if low > 1 else "slower" if high < 1 else "no difference"
     return PairedRatio(math.exp(mean), low, high, sd, n, confidence, verdict)
+
+
+def threshold_ratio(pct: float) -> float:
+    """The ratio (reference time / new time) of a new revision exactly pct percent slower."""
+    return 1.0 / (1.0 + pct / 100.0)
+
+
+def slower_beyond(high: float, pct: float) -> bool:
+    """The performance gate (bench --against --fail-if-slower pct): whether a row's ratio interval, whose upper end
+    is high, lies wholly beyond pct percent slower, so that even the interval's most favourable reading has the new
+    revision more than pct percent slower. An interval that reaches the threshold passes: the run cannot tell."""
+    return high < threshold_ratio(pct)

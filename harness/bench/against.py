@@ -6,8 +6,9 @@ tree: one engine per process, the other revision's own engine and driver). Both 
 repeat i measures every side back to back, the order turning each repeat (A B, B A, ...), so drift of the host hits
 both. A run is several rounds, each with a fresh pair of processes (which starts first turning too), because a
 process keeps a speed of its own for its whole life (ab_stats). Each row: the medians, the ratio reference / new with
-its confidence interval over the rounds (ab_stats.rounds_ratio), and a verdict. Writes
-<reports>/bench/<device>/against.{md,json}.
+its confidence interval over the rounds (ab_stats.rounds_ratio), and a verdict; with --fail-if-slower PCT, the gate:
+exit status 1 when a row's interval lies wholly beyond PCT percent slower (ab_stats.slower_beyond). Writes
+<reports>/bench/<device>/against.{md,json,png} (ab_report).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
+from harness.bench import ab_report
 from harness.bench.ab_stats import rounds_ratio
-from harness.report import REPO_ROOT, markdown_table, provenance, provenance_markdown, text_table, write_json
+from harness.report import REPO_ROOT, provenance, text_table
 
 if TYPE_CHECKING:
     from harness.models import ModelRef
@@ -78,13 +81,14 @@ def checkout(ref: str, repo: Path = REPO_ROOT) -> Iterator[Tuple[Path, Dict[str,
     folder = Path(ref)
     if folder.is_dir():
         if not (folder / "engine" / "__init__.py").is_file():
-            raise ValueError(f"--against {ref}: the folder holds no checkout of this project (no engine/__init__.py)")
+            raise UserError(f"--against {ref}: the folder holds no checkout of this project (no engine/__init__.py); "
+                            "give a folder holding one, or a git revision")
         yield folder.resolve(), tree_provenance(folder.resolve(), ref)
         return
     commit = _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     if not commit:
-        raise ValueError(f"--against {ref}: neither a folder nor a git revision of {repo} (try a branch, a tag, a "
-                         "commit or a path to another checkout)")
+        raise UserError(f"--against {ref}: neither a folder nor a git revision of {repo}; give a branch, a tag, a "
+                        "commit or a path to another checkout")
     tmp = Path(tempfile.mkdtemp(prefix="bench-against-"))
     try:
         out = subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tmp / "tree"), commit],
@@ -146,7 +150,7 @@ class Side:
 
 
 def _setup(model: ModelRef, device: str, spec: AgainstSpec) -> Dict[str, Any]:
-    seq = max(spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths) + 64
+    seq = max([spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths]) + 64
     return {"model_path": str(model.folder), "dummy_weights": not model.has_weights,
             "device": device, "dtype": DTYPES[device.split(":")[0]], "max_running_req": max(spec.decode_bs),
             "max_seq_len": seq, "num_pages": max(spec.decode_bs) * seq + seq}
@@ -175,9 +179,10 @@ def measure(sides: Sequence[Side], setup: Dict[str, Any], spec: AgainstSpec) -> 
     return samples
 
 
-def measure_rounds(make_sides: Callable[[int], List[Side]], setup: Dict[str, Any],
-                   spec: AgainstSpec) -> List[Dict[str, List[List[float]]]]:
-    """measure() once per round, each round on the fresh sides make_sides(round) starts (closed after it)."""
+def measure_rounds(make_sides: Callable[[int], List[Side]], setup: Dict[str, Any], spec: AgainstSpec,
+                   on_round: Callable[[int], None] | None = None) -> List[Dict[str, List[List[float]]]]:
+    """measure() once per round, each round on the fresh sides make_sides(round) starts (closed after it);
+    on_round(round) as each ends."""
     rounds = []
     for r in range(spec.rounds):
         with ExitStack() as stack:
@@ -185,6 +190,8 @@ def measure_rounds(make_sides: Callable[[int], List[Side]], setup: Dict[str, Any
             for side in sides:
                 stack.callback(side.close)
             rounds.append(measure(sides, setup, spec))
+        if on_round is not None:
+            on_round(r)
     return rounds
 
 
@@ -207,12 +214,14 @@ def compare_rows(model: str, spec: AgainstSpec, rounds: List[Dict[str, List[List
     return rows
 
 
-def run_against(ref: str, device: str, models: List[ModelRef | str], spec: AgainstSpec,
-                out_dir: Path) -> Dict[str, Any]:
-    """Compare this tree ("new") with REF ("ref") on each model; writes against.md and against.json into out_dir."""
+def run_against(ref: str, device: str, models: List[ModelRef | str], spec: AgainstSpec, out_dir: Path,
+                fail_if_slower: float | None = None) -> Dict[str, Any]:
+    """Compare this tree ("new") with REF ("ref") on each model; writes against.md, against.json and against.png into
+    out_dir. fail_if_slower: the gate's threshold in percent (ab_report.gate marks the rows beyond it)."""
     from harness.models import as_model
 
     rows: List[Dict[str, Any]] = []
+    clock = progress.Stopwatch()
     with checkout(ref) as (ref_tree, ref_prov):
         for model_ref in map(as_model, models):
             setup, model = _setup(model_ref, device, spec), model_ref.name
@@ -220,63 +229,51 @@ def run_against(ref: str, device: str, models: List[ModelRef | str], spec: Again
 
             def sides(r: int) -> List[Side]:
                 return [Side(name, tree) for name, tree in (trees if r % 2 == 0 else trees[::-1])]
-            rows += compare_rows(model, spec, measure_rounds(sides, setup, spec), "ref", "new")
-    result = {"device": device, "spec": asdict(spec), "rows": rows, "ref": ref_prov,
-              "new": tree_provenance(REPO_ROOT, "this tree"),
+
+            def round_done(r: int) -> None:
+                progress.line("bench", f"--against {ref} {model} round {r + 1}/{spec.rounds}", "done", clock.lap())
+            rows += compare_rows(model, spec, measure_rounds(sides, setup, spec, round_done), "ref", "new")
+    ab_report.gate(rows, fail_if_slower)
+    result = {"device": device, "spec": asdict(spec), "fail_if_slower_pct": fail_if_slower, "rows": rows,
+              "ref": ref_prov, "new": tree_provenance(REPO_ROOT, "this tree"),
               "host": provenance(device, dtype=DTYPES[device.split(":")[0]])}
-    write_against_report(result, out_dir)
+    ab_report.write(result, out_dir)
     return result
 
 
-COLUMNS = ["model", "workload", "batch_size", "length", "ref_median_s", "new_median_s", "ratio", "ci_low", "ci_high",
-           "noise_pct", "rounds", "repeats", "verdict"]
-
-
-def write_against_report(result: Dict[str, Any], out_dir: Path) -> Path:
-    spec = result["spec"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "against.json", result)
-    md = (f"# This tree against {result['ref']['named']} on {result['host']['device_name']} "
-          f"({result['host']['dtype']})\n\n"
-          "Both revisions ran the same workloads in this one run, each engine in its own process, interleaved: "
-          f"{spec['rounds']} rounds, each a fresh pair of processes (which starts first turning), of "
-          f"{spec['repeats']} repeats after one warm-up; repeat i measured every side back to back, the order turning "
-          "each repeat. decode: the median period of a repeat's decode steps through the driver (bs requests at "
-          f"context {spec['decode_ctx']}, {spec['decode_steps']} steps); prefill: the median of a repeat's "
-          f"{spec['prefill_runs']} prefill steps of one request through the driver, each the time to its first "
-          "token. ratio = reference time / new time: the mean over the rounds of each round's mean log ratio, "
-          f"exponentiated, with its {100 * spec['confidence']:.0f}% t-interval over the rounds (a process keeps a "
-          "speed of its own for its whole life, so the rounds, not the pairs, are the independent draws): above 1 the "
-          "new revision is faster. verdict: faster or slower when the whole interval lies on one side of 1, else no "
-          "difference at the noise measured (noise_pct: the standard deviation of one round's mean log ratio); "
-          "repeats: the pairs in all.\n\n"
-          f"{markdown_table(result['rows'], COLUMNS)}\n"
-          f"## Reference: {result['ref']['named']}\n{provenance_markdown(result['ref'])}\n"
-          f"## New: this tree\n{provenance_markdown(result['new'])}\n"
-          f"## Host\n{provenance_markdown(result['host'])}")
-    (out_dir / "against.md").write_text(md)
-    return out_dir / "against.md"
+def _spec(args: Any, device: str) -> AgainstSpec:
+    """The device's spec with the command's --repeats and --rounds; what cannot measure anything is refused."""
+    spec = SPECS[device]
+    if args.repeats is not None:
+        if args.repeats < 1:
+            raise UserError(f"--repeats {args.repeats} measures nothing; give 1 or more paired repeats per round")
+        spec = AgainstSpec(**{**asdict(spec), "repeats": args.repeats})
+    if args.rounds is not None:
+        if args.rounds < 2:
+            raise UserError(f"--rounds {args.rounds}: the interval is over the rounds (one pair of processes cannot "
+                            "tell its own bias from a difference); give --rounds 2 or more")
+        spec = AgainstSpec(**{**asdict(spec), "rounds": args.rounds})
+    return spec
 
 
 def command(args: Any) -> int:
     from harness.report import report_root, written_to
 
+    check_device(args.device, flashinfer=args.device.startswith("cuda"))  # both sides' engines run FlashInfer's
     device = "cuda" if args.device.startswith("cuda") else "cpu"
-    spec = SPECS[device]
-    if args.repeats is not None:
-        if args.repeats < 1:
-            raise SystemExit("--repeats must be >= 1")
-        spec = AgainstSpec(**{**asdict(spec), "repeats": args.repeats})
-    if args.rounds is not None:
-        if args.rounds < 2:
-            raise SystemExit("--rounds must be >= 2 (the interval is over the rounds: one pair of processes cannot "
-                             "tell its own bias from a difference)")
-        spec = AgainstSpec(**{**asdict(spec), "rounds": args.rounds})
+    spec = _spec(args, device)
+    if args.fail_if_slower is not None and not args.fail_if_slower >= 0:
+        raise UserError(f"--fail-if-slower {args.fail_if_slower:g} is not a percentage of 0 or more; give the percent "
+                        "slower a row may be (e.g. 5)")
     out_dir = report_root(args.update_reports) / "bench" / device
     from harness.models import resolve_models
 
     models = resolve_models(args, DEFAULT_MODELS[device], weights=False, tokenizer=False, verb="bench")
-    result = run_against(args.against, args.device, models, spec, out_dir)
-    print(text_table(result["rows"], COLUMNS))
+    result = run_against(args.against, args.device, models, spec, out_dir, args.fail_if_slower)
+    pct = args.fail_if_slower
+    print(text_table(result["rows"], ab_report.COLUMNS + (["gate"] if pct is not None else [])))
     print(written_to(out_dir / "against.md", args.update_reports))
-    return 0
+    if pct is None:
+        return EXIT_PASS
+    print(ab_report.gate_text(result["rows"], pct))
+    return EXIT_FINDING if any(r["gate"] == "FAIL" for r in result["rows"]) else EXIT_PASS

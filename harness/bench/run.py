@@ -16,11 +16,10 @@ import logging
 from typing import Any, Dict, List
 
 import torch
-from tqdm import tqdm
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo
-from harness import check_device
+from harness import EXIT_PASS, UserError, check_device, progress
 from harness.bench.limits import Limits, ModelCost, measure_limits, model_cost
 from harness.bench.long_context import bench_long
 from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
@@ -47,6 +46,14 @@ def _row(model: str, runner: str, workload: str, bs: int, length: int, secs: Lis
             "median_s": med, "p10_s": p10, "p90_s": p90, "samples": len(secs), "tokens_per_s": tokens / med,
             "floor_s": floor, "fraction_of_floor": floor / med, "achieved_GBps": nbytes / med / 1e9,
             "achieved_TFLOPs": flops / med / 1e12}
+
+
+def _progress(row: Dict[str, Any], clock: progress.Stopwatch) -> Dict[str, Any]:
+    """The row, after its line: what was measured, its median, the seconds since the previous line."""
+    bs = f" bs {row['batch_size']}" if "batch_size" in row else ""
+    what = f"{row['model']} {row['runner']} {row['workload']}{bs} len {row['length']}"
+    progress.line("bench", what, f"{1e3 * row['median_s']:.4g} ms", clock.lap())
+    return row
 
 
 def _engine(model: ModelRef, device: str, dtype: str, spec: BenchSpec, graphs: bool) -> Engine:
@@ -88,7 +95,7 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
     prompts, outs = offline_workload(*spec.offline)
     n_hf, cap = spec.hf_offline
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
-    on_gpu = device.startswith("cuda")
+    on_gpu, clock = device.startswith("cuda"), progress.Stopwatch()
     for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu and spec.eager else []):
         engine = _engine(ref, device, dtype, spec, graphs)
         cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
@@ -97,33 +104,35 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
         # eagerly (the offline run on the H200, one engine, alternating: 5.784 / 5.746 s at 8192, 5.721 / 5.710 at 4096)
         driver = Driver(engine)
         try:
-            for bs in tqdm(spec.decode_bs, desc=f"{model} {runner} decode vs batch"):
+            for bs in spec.decode_bs:
                 row, records = _decode_rows(model, runner, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)
-                rows.append(row)
+                rows.append(_progress(row, clock))
                 if on_gpu:
                     profiles.append(_profile(model, runner, engine, bs, records, driver, spec.decode_ctx, vocab))
-            for ctx in tqdm(spec.latency_ctx, desc=f"{model} {runner} decode vs context"):
-                rows.append(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits, "decode_ctx")[0])
-            for n in tqdm(spec.prefill_lengths, desc=f"{model} {runner} prefill and time to first token"):
+            for ctx in spec.latency_ctx:
+                rows.append(_progress(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits,
+                                                   "decode_ctx")[0], clock))
+            for n in spec.prefill_lengths:
                 pairs = n * (n + 1) // 2
                 records = engine_prefill(driver, n, vocab, spec.repeats)
-                rows.append(_row(model, runner, "prefill", 1, n, [r.seconds for r in records], n, cost, limits,
-                                 (n, 0, pairs, 1)))
+                rows.append(_progress(_row(model, runner, "prefill", 1, n, [r.seconds for r in records], n, cost,
+                                           limits, (n, 0, pairs, 1)), clock))
                 if on_gpu and runner == "engine":
                     prefills.append(_prefill_profile(model, engine, n, records))
                 secs = engine_ttft(driver, n, vocab, spec.repeats)
-                rows.append(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs, 1)))
+                rows.append(_progress(_row(model, runner, "ttft", 1, n, secs, n, cost, limits, (n, 0, pairs, 1)),
+                                      clock))
             if runner != "engine":
                 continue
             simple = Driver(engine, overlap=False)
-            for bs in tqdm(spec.simple_bs, desc=f"{model} simple loop (no overlap) decode"):
-                rows.append(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab, cost,
-                                         limits)[0])
+            for bs in spec.simple_bs:
+                rows.append(_progress(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab,
+                                                   cost, limits)[0], clock))
             # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs
             for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_greedy", (prompts, outs)),
                                     ("offline_subset", (sub_prompts, sub_outs))):
                 run = engine_offline(driver, ps, os_, greedy=name != "offline")
-                rows.append(_offline_row(model, runner, name, run, cost, limits))
+                rows.append(_progress(_offline_row(model, runner, name, run, cost, limits), clock))
             # last: on the H200 the same offline run after these synthetic GEMM graphs took 2.3% longer (5.80 ->
             # 5.93 s, a fresh driver each time; the same clocks and temperature), the workloads before them did not
             if on_gpu:
@@ -187,23 +196,26 @@ def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, 
 
 def _bench_hf(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, limits: Limits, cost: ModelCost, vocab: int,
               sub_prompts: List[List[int]], sub_outs: List[int]) -> List[Dict[str, Any]]:
-    hf, dev, model = _hf(ref, device, dtype), torch.device(device), ref.name
+    hf, dev, model, clock = _hf(ref, device, dtype), torch.device(device), ref.name, progress.Stopwatch()
     rows = []
     for runner, sizes, static in (("hf", spec.hf_decode_bs, False), ("hf-static", spec.hf_static_bs, True)):
-        for bs in tqdm(sizes, desc=f"{model} {runner} decode"):
+        for bs in sizes:
             secs, warmup = hf_decode(hf, bs, spec.decode_ctx, spec.decode_steps, vocab, dev, static=static)
-            rows.append(dict(_row(model, runner, "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
-                                  (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))), warmup_s=warmup))
+            rows.append(_progress(dict(_row(model, runner, "decode", bs, spec.decode_ctx, secs, bs, cost, limits,
+                                            (bs, bs * spec.decode_ctx, bs * (spec.decode_ctx + 1))), warmup_s=warmup),
+                                  clock))
     ctx = spec.latency_ctx[-1]
     secs, _ = hf_decode(hf, 1, ctx, spec.decode_steps, vocab, dev)
-    rows.append(_row(model, "hf", "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)))
-    for n in tqdm(spec.prefill_lengths, desc=f"{model} HF prefill"):
+    rows.append(_progress(_row(model, "hf", "decode_ctx", 1, ctx, secs, 1, cost, limits, (1, ctx, ctx + 1)), clock))
+    for n in spec.prefill_lengths:
         secs = hf_prefill(hf, n, vocab, spec.repeats, dev)
         # HF's forward computes the logits of every position
-        rows.append(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)))
+        rows.append(_progress(_row(model, "hf", "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2)),
+                              clock))
     run = hf_offline(hf, sub_prompts, sub_outs, dev)
-    rows.append({"model": model, "runner": "hf", "workload": "offline_subset", "length": run.output_tokens,
-                 "median_s": run.seconds, "samples": 1, "tokens_per_s": run.output_tokens / run.seconds})
+    rows.append(_progress({"model": model, "runner": "hf", "workload": "offline_subset", "length": run.output_tokens,
+                           "median_s": run.seconds, "samples": 1, "tokens_per_s": run.output_tokens / run.seconds},
+                          clock))
     del hf
     return rows
 
@@ -214,7 +226,8 @@ def run_bench(device: str, models: List[ModelRef | str], with_hf: bool = True) -
     models = [r.name for r in refs]
     moe = [r.is_moe for r in refs]
     if any(moe) and not all(moe):
-        raise ValueError(f"bench mixture-of-experts models apart from dense ones (they run another spec): {models}")
+        raise UserError(f"--model {' '.join(models)}: bench mixture-of-experts models apart from dense ones (they run "
+                        "another spec); run one of each kind at a time")
     spec = SPECS[f"{dev.type}-moe" if all(moe) and f"{dev.type}-moe" in SPECS else dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
@@ -233,4 +246,4 @@ def command(args: argparse.Namespace) -> int:
                             tokenizer=False, verb="bench")
     result = run_bench(device, models, with_hf=not args.no_hf)
     print(write_bench_report(result, update=args.update_reports))
-    return 0
+    return EXIT_PASS

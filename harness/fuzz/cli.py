@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import EXIT_FINDING, EXIT_PASS, junit
 from harness.fuzz.case import Case
 from harness.fuzz.faults import planted
 
@@ -50,20 +50,23 @@ def _replay(args: argparse.Namespace, model: "ModelRef") -> int:
     if case.history:
         print(f"ran first on the fresh engine: {len(case.history)} case(s) of its history (the failure was reproduced "
               f"{case.reproduced})")
-    if failure is None:
+    text = None if failure is None else failure_text(Case(case.model, case.device, case.config, case.workload,
+                                                           failure, args.plant, case.seed,
+                                                           model_args=case.model_args), None)
+    if args.junit:
+        name = f"fuzz.{case.model}.{case.device.split(':')[0]}"
+        junit.write(args.junit, [junit.Suite(name, [junit.TestCase(name, f"replay {args.replay}", failure=text)])])
+    if text is None:
         print(f"replay of {args.replay}: every invariant holds")
-        return 0
-    print(f"replay of {args.replay}: FAIL\n" + failure_text(Case(case.model, case.device, case.config, case.workload,
-                                                                  failure, args.plant, case.seed,
-                                                                  model_args=case.model_args), None))
-    return 1
+        return EXIT_PASS
+    print(f"replay of {args.replay}: FAIL\n{text}")
+    return EXIT_FINDING
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+    from harness import progress
     from harness.fuzz import report
-    from harness.fuzz.search import FuzzOptions, fuzz
+    from harness.fuzz.search import FuzzOptions, PhaseStats, fuzz
     from harness.report import written_to
 
     model = _check(args)
@@ -72,22 +75,28 @@ def _cmd(args: argparse.Namespace) -> int:
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
     opts = FuzzOptions(model=model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
                        planted=args.plant)
-    start = time.monotonic()
-    with tqdm(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}",
-              disable=not sys.stderr.isatty()) as bar:
+    start, clock = time.monotonic(), progress.Stopwatch()
+    with progress.bar(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}"
+                      ) as bar:
         def tick(status: str) -> None:
             bar.n = round(time.monotonic() - start)
             bar.set_postfix_str(status)
 
+        def phase_done(number: int, stats: PhaseStats) -> None:
+            progress.line("fuzz", f"{args.model} {args.device} configuration {number} ({stats.config.dtype}, "
+                          f"{stats.cases} cases)", "FAIL" if stats.failure else "PASS", clock.lap())
+
         with planted(args.plant):
-            result = fuzz(opts, tick=tick)
+            result = fuzz(opts, tick=tick, on_phase=phase_done)
     print(report.table(result))
     print(report.summary(result))
     print(written_to(report.write(result, args.update_reports), args.update_reports))
+    if args.junit:
+        print(f"junit: {junit.write(args.junit, [junit.fuzz_suite(result)])}")
     if result.case is not None:
         print("\nthe minimal failing case:\n" + report.failure_text(result.case, result.case_path, result.first))
-        return 1
-    return 0
+        return EXIT_FINDING
+    return EXIT_PASS
 
 
 def _check(args: argparse.Namespace) -> "ModelRef":
@@ -110,6 +119,7 @@ def _check(args: argparse.Namespace) -> "ModelRef":
     if args.plant and FAULTS[args.plant].device not in ("any", kind):
         raise UserError(f"--plant {args.plant} lives where {device} has no code ({FAULTS[args.plant].description}); "
                         f"use --device {FAULTS[args.plant].device}")
+    junit.check_path(args.junit)
     if args.budget is not None and args.budget <= 0:
         raise UserError(f"--budget {args.budget}: give a positive number of seconds")
     for dtype in wanted:
@@ -131,5 +141,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "failure takes up to half as much again")
     p.add_argument("--replay", type=Path, metavar="FILE", help="run the case a failing search wrote, and exit")
     p.add_argument("--plant", choices=list(FAULTS), help="plant a known fault in this process's engine and driver")
+    junit.add_flag(p)
     add_update_flag(p)
     p.set_defaults(func=_cmd)

@@ -83,8 +83,9 @@ class FuzzResult:
 
 
 class _Search:
-    def __init__(self, opts: FuzzOptions, evaluator: Evaluator, tick: Callable[[str], None]) -> None:
-        self.opts, self.evaluator, self.tick = opts, evaluator, tick
+    def __init__(self, opts: FuzzOptions, evaluator: Evaluator, tick: Callable[[str], None],
+                 on_phase: Callable[[int, PhaseStats], None] | None = None) -> None:
+        self.opts, self.evaluator, self.tick, self.on_phase = opts, evaluator, tick, on_phase
         self.db = DirectoryBasedExampleDatabase(str(opts.folder / "hypothesis"))
         self.start = time.monotonic()
         self.setup = 0.0  # seconds spent building engines: not search, kept off the budget's clock
@@ -154,6 +155,12 @@ class _Search:
         stats = PhaseStats(config)
         self.phases.append(stats)
         vocab = self._prepare(config)
+        found = self._search_phase(config, stats, vocab)
+        if self.on_phase is not None:
+            self.on_phase(len(self.phases), stats)
+        return found
+
+    def _search_phase(self, config: FuzzConfig, stats: PhaseStats, vocab: int) -> bool:
         end = min(self.deadline, self._now() + self.phase_seconds)
         verdicts: Dict[Workload, bool] = {}
         failures: Dict[Workload, Failure] = {}
@@ -243,15 +250,16 @@ def reproduce(evaluator: Evaluator, config: FuzzConfig, workload: Workload,
                             "before it (not alone)")
 
 
-def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[str], None] = lambda _: None
-         ) -> FuzzResult:
+def fuzz(opts: FuzzOptions, evaluator: Evaluator | None = None, tick: Callable[[str], None] = lambda _: None,
+         on_phase: Callable[[int, PhaseStats], None] | None = None) -> FuzzResult:
     """Search for the budget; the minimal failing case, if any, is written as JSON under opts.folder/cases.
-    evaluator: engines to reuse (built here and closed when None)."""
+    evaluator: engines to reuse (built here and closed when None); on_phase(number, stats) as each configuration's
+    search ends (its workloads' shrinking included when it found the failure)."""
     own = evaluator is None
     evaluator = evaluator or Evaluator(opts.model, opts.device)
     for dtype in dtypes(opts.device, opts.dtype):  # a missing golden is refused before the search starts
         evaluator.tolerance(dtype)
-    search = _Search(opts, evaluator, tick)
+    search = _Search(opts, evaluator, tick, on_phase)
     counts_before, seconds_before = dict(evaluator.counts), dict(evaluator.seconds)
     try:
         minimal_config = search.run()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     from harness import golden as G
+    from harness import junit
     from harness.models import add_model_arguments
     from harness.parity.gate import FLOOR
     from harness.parity.paths import PATHS
@@ -35,4 +36,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--explain", action="store_true",
                    help="on a failure, run its prompt again with hooks on the engine's and HF's residual stream and "
                         "name the first layer (attention or MLP) where the engine departs beyond HF's own spread")
+    junit.add_flag(p)
     p.set_defaults(func=command)

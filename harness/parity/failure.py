@@ -53,9 +53,12 @@ def _path_failure(path: PathResult) -> Failure:
                    "distribution")
 
 
-def first_failure(result: ParityResult) -> Failure | None:
-    """The first failure in the order the paths ran: a failing prompt, else the path's distribution gate."""
+def first_failure(result: ParityResult, path_name: str | None = None) -> Failure | None:
+    """The first failure in the order the paths ran (of path `path_name` only, if given): a failing prompt, else the
+    path's distribution gate."""
     for path in result.paths:
+        if path_name is not None and path.path != path_name:
+            continue
         prompt = next((p for p in result.prompts if p.path == path.path and not p.passed), None)
         if prompt is not None:
             return _prompt_failure(result, prompt)
@@ -68,9 +71,10 @@ def _where_words(f: Failure) -> str:
     return "prefill" if f.step is None else f"decode step {f.step}"
 
 
-def headline(result: ParityResult) -> str | None:
-    """`first failure: model M, dtype D, path P, prompt I, position N (prefill | decode step K)`; None on a pass."""
-    f = first_failure(result)
+def headline(result: ParityResult, path_name: str | None = None) -> str | None:
+    """`first failure: model M, dtype D, path P, prompt I, position N (prefill | decode step K)` (of path `path_name`
+    only, if given); None on a pass."""
+    f = first_failure(result, path_name)
     if f is None:
         return None
     return (f"first failure: model {result.model}, dtype {result.dtype}, path {f.path}, prompt {f.prompt}, "
@@ -79,8 +83,9 @@ def headline(result: ParityResult) -> str | None:
 
 def rerun_command(result: ParityResult, f: Failure) -> str:
     tp = f" --tp {result.tp}" if result.tp > 1 else ""
-    return (f"python -m harness parity {result.model_args or '--model ' + result.model} --device {result.device} --dtype {result.dtype} "
-            f"--path {f.path} --prompt {f.prompt}{tp}")
+    model = result.model_args or f"--model {result.model}"
+    return (f"python -m harness parity {model} --device {result.device} --dtype {result.dtype} --path {f.path} "
+            f"--prompt {f.prompt}{tp}")
 
 
 def _top(tokenizer: Any, pairs: List[List[float]]) -> str:

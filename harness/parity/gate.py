@@ -111,6 +111,7 @@ class PathResult:
     left_out: int = 0  # router near ties left out of the distribution (MoE in half precision)
     worst_err: Where | None = None  # the gated positions' largest err
     worst_kl: Where | None = None  # and largest KL
+    seconds: float = 0.0  # the path's engine run and comparison
 
 
 @dataclass

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from engine import Engine, EngineConfig
-from engine.distributed import DistributedInfo
-from harness import UserError, check_device
+from engine.distributed import DistributedInfo, div_even
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress
 from harness import golden as G
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
@@ -157,13 +157,18 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     result.model_args = model.args + model.golden_args
     folder = obtained_root / model.name / f"{device.split(':')[0]}-{dtype}"
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
-    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}
+    clock = progress.Stopwatch()
+    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}  # the first path's line times all
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
         stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
                                         margins if is_moe else None, result.router_tie or 0.0, indices)
+        path_result.seconds = clock.lap()
+        passed = path_result.passed and all(p.passed for p in prompts)
+        progress.line("parity", f"{model.name} {device} {dtype} {path.name}", "PASS" if passed else "FAIL",
+                      path_result.seconds)
         result.prompts += prompts
         result.paths.append(path_result)
         if was_passing and not result.passed:
@@ -178,7 +183,8 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
 
 def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
            prompts: P.PromptSet | None = None) -> None:
-    """What the user asked for, before any engine runs: the device, the ranks, a golden for every model and dtype."""
+    """What the user asked for, before any engine runs: the device, the ranks, the paths, a golden for every model and
+    dtype, where the JUnit file goes."""
     cuda = args.device.startswith("cuda")
     check_device(args.device, flashinfer=cuda)
     if args.tp < 1:
@@ -186,9 +192,26 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
     if cuda and args.tp > torch.cuda.device_count():
         raise UserError(f"--tp {args.tp}: each rank needs a GPU and this machine has {torch.cuda.device_count()}; "
                         f"give --tp {torch.cuda.device_count()} or fewer")
+    gpu_only = [p.name for p in PATHS if p.name in (args.path or []) and not p.applies_to(args.device, is_moe=True)]
+    if gpu_only:
+        raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
+    junit.check_path(args.junit)
     for model in models:
+        if args.tp > 1:
+            _check_tp(model, args.tp)
         for dtype in dtypes:
             select_prompts(G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts), args.prompt)
+
+
+def _check_tp(model: ModelRef, tp: int) -> None:
+    """The engine's rule (engine.engine): TP splits the attention heads evenly; fewer KV heads are replicated."""
+    mc = model.config
+    try:
+        div_even(mc.num_qo_heads, tp)
+        div_even(mc.num_kv_heads, tp, allow_replicate=True)
+    except ValueError as e:
+        raise UserError(f"--tp {tp} does not fit {model.name} ({mc.num_qo_heads} attention heads, {mc.num_kv_heads} KV "
+                        f"heads: {e}); give a --tp that divides its attention heads") from None
 
 
 def command(args: argparse.Namespace) -> int:
@@ -196,18 +219,25 @@ def command(args: argparse.Namespace) -> int:
     prompts = P.read_file(args.prompts) if args.prompts else None
     dtypes = args.dtype or (["bfloat16", "float32"] if args.device.startswith("cuda") else ["float32"])
     _check(args, models, dtypes, prompts)
-    failed = False
+    failed, suites = False, []
     for model in models:
         for dtype in dtypes:
             result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
+            suites.append(junit.parity_suite(result))
             if args.explain and not result.passed:
                 from harness.parity.explain import explain_failure
 
-                print(explain_failure(result, G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts), model))
+                golden = G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
+                print(explain_failure(result, golden, model))
     if not args.no_sampling and args.device == "cpu" and args.prompt is None:
         from harness.sampling.run import main_from_parity
 
-        failed |= main_from_parity(update=args.update_reports) != 0
-    return 1 if failed else 0
+        own = [m for m in models if not m.zoo]  # a user's own folders give the real-logit cases, not the zoo's
+        grid = main_from_parity(update=args.update_reports, **({"real_models": own} if own else {}))
+        failed |= not grid.passed
+        suites.append(junit.sampling_suite(grid, "cpu"))
+    if args.junit:
+        print(f"junit: {junit.write(args.junit, suites)}")
+    return EXIT_FINDING if failed else EXIT_PASS

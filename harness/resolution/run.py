@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from harness import UserError, check_device
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
 from harness.models import ModelRef, resolve_models
 from harness.resolution.adapters import ComponentCheck, FuzzCheck
 from harness.resolution.checks import Check, ParityCheck, SamplingCheck
@@ -68,10 +68,12 @@ def measure(kind: str, check: Check, families: Sequence[Family], ratio: float = 
 def _print_row(result: CheckResult, row: Row) -> None:
     s = row.search
     if s is None:
-        print(f"{result.name:40s} {row.family:16s} not searched: fails with no fault ({result.baseline.detail})")
+        progress.line("resolution", f"{result.name} {row.family}",
+                      f"not searched: fails with no fault ({result.baseline.detail})", result.baseline_seconds)
         return
-    print(f"{result.name:40s} {row.family:16s} smallest detected {_e(s.smallest_detected)}, largest missed "
-          f"{_e(s.largest_missed)} ({s.status}; {len(s.probes)} probes, {s.seconds:.0f} s)", flush=True)
+    progress.line("resolution", f"{result.name} {row.family}",
+                  f"smallest detected {_e(s.smallest_detected)}, largest missed {_e(s.largest_missed)} ({s.status}; "
+                  f"{len(s.probes)} probes)", s.seconds)
 
 
 def _e(e: float | None) -> str:
@@ -121,4 +123,4 @@ def cmd(args: argparse.Namespace) -> int:
         where = write_report(results, device, dict(settings, checks_left=len(runnable) - i - 1),
                              time.perf_counter() - start, args.update_reports)
     print(where)
-    return 1 if any(r.baseline.detected for r in results) else 0
+    return EXIT_FINDING if any(r.baseline.detected for r in results) else EXIT_PASS

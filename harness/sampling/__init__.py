@@ -8,7 +8,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from harness import report
+    from harness import junit, report
     from harness.models import add_model_arguments
     from harness.sampling.cases import REAL_MODELS
     from harness.sampling.run import DEFAULT_MAX_COST, command
@@ -25,4 +25,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arguments(p, f"{', '.join(REAL_MODELS)} (the models whose real logits make cases)",
                         flag="--real-model")
     p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
+    junit.add_flag(p)
     p.set_defaults(func=command)

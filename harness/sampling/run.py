@@ -20,7 +20,7 @@ import torch
 
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import BatchSamplingArgs, Sampler
-from harness import UserError, check_device, report
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, report
 from harness.models import ModelRef, resolve_models
 from harness.sampling import oracle
 from harness.sampling.cases import REAL_MODELS, Case, all_cases, describe
@@ -116,8 +116,10 @@ def _check_row(case: Case, i: int, f: oracle.Filtered, draws: np.ndarray, alpha:
 
 def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequence[Case] | None = None,
              family_alpha: float = 0.01, tv: float = 0.01, power: float = 0.99,
-             max_cost: float | None = None, seed: int = 0) -> GridResult:
-    """Run every case; sample_fn replaces Sampler.sample (to test another implementation, or a planted fault)."""
+             max_cost: float | None = None, seed: int = 0,
+             on_case: Callable[[str, bool, float], None] | None = None) -> GridResult:
+    """Run every case; sample_fn replaces Sampler.sample (to test another implementation, or a planted fault);
+    on_case(name, passed, seconds) as each case ends."""
     cases = list(cases) if cases is not None else all_cases()
     dev = torch.device(device)
     max_cost = max_cost if max_cost is not None else DEFAULT_MAX_COST[dev.type]
@@ -135,11 +137,14 @@ def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequ
         try:
             draws = draw(case, n, dev, gen, sample_fn)
         except Exception as e:  # a crashing sampler fails the case; the report says how
-            rows += [RowResult(case.name, i, describe(p), "error", 0, alpha, passed=False,
-                               note=f"{type(e).__name__}: {e}") for i, p in enumerate(case.params)]
-            continue
+            case_rows = [RowResult(case.name, i, describe(p), "error", 0, alpha, passed=False,
+                                   note=f"{type(e).__name__}: {e}") for i, p in enumerate(case.params)]
+        else:
+            case_rows = [_check_row(case, i, f, draws[:, i], alpha, tv, power) for i, f in enumerate(fs)]
         seconds[case.name] = time.perf_counter() - start
-        rows += [_check_row(case, i, f, draws[:, i], alpha, tv, power) for i, f in enumerate(fs)]
+        rows += case_rows
+        if on_case is not None:
+            on_case(case.name, all(r.passed for r in case_rows), seconds[case.name])
     settings = {"family_alpha": family_alpha, "tests": n_tests, "per_test_alpha": alpha, "tv": tv, "power": power,
                 "max_cost": max_cost, "seed": seed}
     return GridResult(rows, settings, seconds)
@@ -147,11 +152,13 @@ def run_grid(device: str = "cpu", sample_fn: SampleFn | None = None, cases: Sequ
 
 # --------------------------------------------------------------------------------------------------------- CLI
 def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cost: float | None = None,
-            real_models: Sequence[ModelRef | str] = REAL_MODELS, update: bool = False) -> int:
-    """Run the grid, write the report (under `out`, else the report root: the committed reports/ only when
-    `update`), print a short table; 0 when every check passes, 1 otherwise."""
+            real_models: Sequence[ModelRef | str] = REAL_MODELS, update: bool = False) -> GridResult:
+    """Run the grid with a line per case as it ends, write the report (under `out`, else the report root: the
+    committed reports/ only when `update`), print a short table and the verdict."""
     start = time.perf_counter()
-    result = run_grid(device, cases=all_cases(real_models), max_cost=max_cost, seed=seed)
+    result = run_grid(device, cases=all_cases(real_models), max_cost=max_cost, seed=seed,
+                      on_case=lambda name, passed, secs: progress.line("sampling", f"{device} {name}",
+                                                                       "PASS" if passed else "FAIL", secs))
     wall = time.perf_counter() - start
     out = out or report.report_root(update) / "sampling" / device.split(":")[0]
     write_report(result, device, out, wall)
@@ -162,21 +169,31 @@ def run_cli(device: str = "cpu", out: Path | None = None, seed: int = 0, max_cos
           f"{wall:.0f} s")
     print(report.written_to(out / "sampling.md", update))
     print("PASS" if result.passed else f"FAIL: {', '.join(result.failed_cases())}")
-    return 0 if result.passed else 1
+    return result
 
 
-def main_from_parity(update: bool = False) -> int:
-    """What `python -m harness parity` runs after the golden comparison: the default CPU grid and its report."""
-    return run_cli("cpu", update=update)
+def main_from_parity(update: bool = False, real_models: Sequence[ModelRef | str] = REAL_MODELS) -> GridResult:
+    """What `python -m harness parity` runs after the golden comparison: the default CPU grid and its report (its
+    real-logit cases on the models parity was given, where they are folders of the user's own)."""
+    return run_cli("cpu", real_models=real_models, update=update)
 
 
 def command(args: argparse.Namespace) -> int:
     check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
+    if args.max_cost is not None and args.max_cost <= 0:
+        raise UserError(f"--max-cost {args.max_cost:g} allows no draw; give a positive number of draws x vocab, "
+                        "e.g. 2.5e8")
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a folder for the report")
+    junit.check_path(args.junit)
     models = []
     if not args.no_real:  # before the grid: a model this machine cannot get ends the run now, in one line
         try:
             models = resolve_models(args, REAL_MODELS, verb="a real-logit case")
         except UserError as e:
             raise UserError(f"{e}, or leave its cases out (--real-model with the others, or --no-real)") from e
-    return run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
-                   args.update_reports)
+    result = run_cli(args.device, Path(args.out) if args.out else None, args.seed, args.max_cost, models,
+                     args.update_reports)
+    if args.junit:
+        print(f"junit: {junit.write(args.junit, [junit.sampling_suite(result, args.device)])}")
+    return EXIT_PASS if result.passed else EXIT_FINDING
