@@ -102,7 +102,7 @@ USER_ERRORS = {
     "a TP size that does not divide the heads": (["parity", "--tp", "3", "--model", "tiny-qwen3", "--no-sampling"],
                                                  ["--tp 3 does not fit tiny-qwen3"]),
     "a sampling cost cap of 0": (["sampling", "--no-real", "--max-cost", "0"], ["--max-cost 0"]),
-    "a golden of a model without weights": (["golden", "--model", "qwen3-0.6b"], ["--model qwen3-0.6b has no weights"]),
+    "a golden of a model without weights": (["golden", "--model", "qwen3-0.6b"], ["qwen3-0.6b", "has no weights"]),
 }
 
 

@@ -57,7 +57,8 @@ def test_the_xml_counts_and_carries_each_failure(tmp_path):
         ("parity.tiny-qwen3.cpu-float32", "batch"), ("parity.tiny-qwen3.cpu-float32", "paged")]
     assert cases[0].get("time") == "1.500"
     batch = cases[0].find("failure")
-    assert batch.get("message").startswith("first failure: model tiny-qwen3, dtype float32, path batch, prompt chat")
+    assert batch.get("message").startswith("first failure: model tiny-qwen3, dtype float32, path batch, prompt 1, "
+                                           "position 12 (decode step 3)")
     assert batch.text.splitlines()[1:] == ["prompt chat: token differs at step 3 and it is not a near tie",
                                            "the engine's result: golden.obtained.npz"]
     assert cases[2].find("failure") is None

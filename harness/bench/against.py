@@ -65,12 +65,13 @@ def _git(tree: Path, *args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def tree_provenance(tree: Path, named: str) -> Dict[str, Any]:
+def tree_provenance(tree: Path, named: str, where: str = "the folder given") -> Dict[str, Any]:
     """What a side ran: the tree's commit when it is a git checkout of its own (a folder inside another checkout,
-    say an exported revision, would otherwise read the enclosing checkout's HEAD)."""
+    say an exported revision, would otherwise read the enclosing checkout's HEAD); where: the tree in words, not its
+    path (a report is committed, and a machine's paths mean nothing elsewhere)."""
     top = _git(tree, "rev-parse", "--show-toplevel")
     commit = _git(tree, "rev-parse", "HEAD") if top and Path(top).resolve() == tree.resolve() else ""
-    return {"named": named, "tree": str(tree), "commit": commit or "not a git checkout",
+    return {"named": named, "tree": where, "commit": commit or "not a git checkout",
             "subject": _git(tree, "log", "-1", "--format=%s") if commit else "",
             "uncommitted_changes": bool(_git(tree, "status", "--porcelain")) if commit else "unknown"}
 
@@ -95,7 +96,7 @@ def checkout(ref: str, repo: Path = REPO_ROOT) -> Iterator[Tuple[Path, Dict[str,
                              capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"git worktree add {commit} failed: {out.stderr.strip()}")
-        yield tmp / "tree", tree_provenance(tmp / "tree", ref)
+        yield tmp / "tree", tree_provenance(tmp / "tree", ref, f"a temporary worktree of {commit[:7]}")
     finally:
         subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tmp / "tree")],
                        capture_output=True)
@@ -235,7 +236,7 @@ def run_against(ref: str, device: str, models: List[ModelRef | str], spec: Again
             rows += compare_rows(model, spec, measure_rounds(sides, setup, spec, round_done), "ref", "new")
     ab_report.gate(rows, fail_if_slower)
     result = {"device": device, "spec": asdict(spec), "fail_if_slower_pct": fail_if_slower, "rows": rows,
-              "ref": ref_prov, "new": tree_provenance(REPO_ROOT, "this tree"),
+              "ref": ref_prov, "new": tree_provenance(REPO_ROOT, "this tree", "this checkout"),
               "host": provenance(device, dtype=DTYPES[device.split(":")[0]])}
     ab_report.write(result, out_dir)
     return result

@@ -69,6 +69,8 @@ def failure_text(case: Case, path: Path | None, first: tuple | None = None) -> s
         runs = f", only the runs for {past.only.invariant} in {past.only.stage}" if past.only else ""
         lines += [f"history {i} (run first on the fresh engine{runs}): " + line for line in describe(past.workload)]
     if path is not None:
+        # relative to the repository, where the commands run: a committed report names no machine's paths
+        path = path.relative_to(report.REPO_ROOT) if path.is_relative_to(report.REPO_ROOT) else path
         lines.append(f"case: {path}")
         named = case.model_args or f"--model {case.model}"
         lines.append(f"replay: python -m harness fuzz --device {case.device} {named} --replay {path}"
