@@ -231,7 +231,7 @@ class GraphRunner:
         page_table = get_global_ctx().page_table
         size = self.replays(batch)
         if size:  # (graphs exist only on CUDA, where Triton is)
-            from engine.graph_inputs import gather_decode_inputs
+            from engine.kernels.graph_inputs import gather_decode_inputs
 
             views = self.static_inputs(size)
             gather_decode_inputs(flat, positions, token_pool, page_table, *views, self.dummy_slot)

@@ -13,13 +13,13 @@ Semantics, per request, the same on every device (harness/sampling/oracle.py is 
 No rule depends on the order of equal probabilities. FlashInfer's renorm kernels (CUDA, no sort) and the torch filter
 (any device, one sort of the values) implement the same rule.
 
-The draw is an inverse CDF (float64) at one uniform per row; on CUDA it is one Triton program a row, with the softmax
-in it when temperature is the only filter (sample_kernel.py). A row's uniform is a hash of (seed, request, position): a
-request's tokens depend on its seed and its own logits only, not on its batch-mates, its row or a device RNG.
-Every `sample` call on the same args is a new draw: the first reads the uniforms `prepare` laid out (what the
-request gets in any batch and either driver loop, which sample once per prepare), the d-th hashes (key, d), so a
-caller that samples twice from one args (best-of-n, a retry) gets independent tokens, the same ones in every run.
-A row whose logits contain NaN or have no finite maximum gets token -1 and the other rows are drawn as usual.
+The draw is an inverse CDF (float64) at one uniform per row; on CUDA it is one Triton program a row, with the softmax in
+it when temperature is the only filter (kernels/sample_kernel.py). A row's uniform is a hash of (seed, request,
+position): a request's tokens depend on its seed and its own logits only, not on its batch-mates, its row or a device
+RNG. Every `sample` call on the same args is a new draw: the first reads the uniforms `prepare` laid out (what the
+request gets in any batch and either driver loop, which sample once per prepare), the d-th hashes (key, d), so a caller
+that samples twice from one args (best-of-n, a retry) gets independent tokens, the same ones in every run. A row whose
+logits contain NaN or have no finite maximum gets token -1 and the other rows are drawn as usual.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from engine.utils.device import has_flashinfer, has_triton, make_device_tensor
 
 MIN_T = MIN_P = 1e-6
 INVALID_TOKEN = -1
-# from this many rows an all-greedy batch's argmax is sample_kernel.py's (one program a row); below, torch's max,
-# which splits a row over many programs (H200, Qwen3's vocabulary: 22.1 against 24.8 us at 64 rows, 22.0 against
+# from this many rows an all-greedy batch's argmax is kernels/sample_kernel.py's (one program a row); below, torch's
+# max, which splits a row over many programs (H200, Qwen3's vocabulary: 22.1 against 24.8 us at 64 rows, 22.0 against
 # 20.6 at 32)
 ARGMAX_KERNEL_ROWS = 64
 
@@ -107,7 +107,7 @@ class Sampler:
         kernels = logits.is_cuda and has_triton()
         if args.temperatures is None:
             if kernels and logits.shape[0] >= ARGMAX_KERNEL_ROWS:
-                from engine.sample_kernel import argmax
+                from engine.kernels.sample_kernel import argmax
 
                 return argmax(logits.contiguous())
             top, tokens = logits.max(dim=-1)  # max propagates NaN, so a NaN row has a non-finite top
@@ -115,8 +115,8 @@ class Sampler:
             return torch.where(top.abs() < math.inf, tokens, INVALID_TOKEN)
         uniforms = args.next_uniforms(self.device)
         if kernels and args.top_k is None and args.top_p is None and args.min_p is None:
-            # temperature alone: one kernel over the logits as they are, -1 for a bad row (sample_kernel.py)
-            from engine.sample_kernel import draw
+            # temperature alone: one kernel over the logits as they are, -1 for a bad row (kernels/sample_kernel.py)
+            from engine.kernels.sample_kernel import draw
 
             tokens = draw(logits.contiguous(), _uniforms_or_random(uniforms, logits.shape[0], logits.device, None),
                           args.temperatures)
@@ -182,9 +182,10 @@ def filtered_probs_flashinfer(logits: torch.Tensor, temperatures: torch.Tensor, 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The token whose CDF interval holds u x total mass, per row. The CDF is summed in float64, so no tail token's
     mass is lost to rounding; u < 1 keeps the point below the total, so the token found has positive mass. On CUDA
-    one Triton program a row (sample_kernel.py), in place of a float64 copy, scan and search of the whole matrix."""
+    one Triton program a row (kernels/sample_kernel.py), in place of a float64 copy, scan and search of the whole
+    matrix."""
     if probs.is_cuda and has_triton():
-        from engine.sample_kernel import draw
+        from engine.kernels.sample_kernel import draw
 
         return draw(probs.contiguous(), uniforms)
     cdf = probs.double().cumsum(dim=-1)

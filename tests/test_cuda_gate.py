@@ -12,7 +12,7 @@ import torch
 
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.core import get_global_ctx
-from engine.layers import qk_rope_store
+from engine.kernels import qk_rope_store
 from harness import golden as G
 from harness.compare import ROUTER_TIE, compare_row
 from harness.parity.gate import dist_limits, evaluate, golden_row, tie_tolerance, tolerance

@@ -1,7 +1,7 @@
-"""The decode graph's input gather (engine/graph_inputs.py) against its definition: for each of n requests, its id
-and KV slot read from the token pool and the page table at its flat index, its position copied; the padding up to the
-graph's size id 0, position 0 and the dummy slot; nothing past the size touched. Hypothesis searches request counts
-(one, a program's block and past it), padding, pool shapes and indices (the dummy's row among them); on the CPU
+"""The decode graph's input gather (engine/kernels/graph_inputs.py) against its definition: for each of n requests,
+its id and KV slot read from the token pool and the page table at its flat index, its position copied; the padding up
+to the graph's size id 0, position 0 and the dummy slot; nothing past the size touched. Hypothesis searches request
+counts (one, a program's block and past it), padding, pool shapes and indices (the dummy's row among them); on the CPU
 through Triton's interpreter."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SENTINEL = -7
 
 @st.composite
 def _cases(draw):
-    from engine.graph_inputs import BLOCK
+    from engine.kernels.graph_inputs import BLOCK
 
     rows, width = draw(st.integers(1, 5)), draw(st.sampled_from([1, 3, 64]))
     n = draw(st.sampled_from([1, 2, 7, BLOCK - 1, BLOCK, BLOCK + 3]))
@@ -32,7 +32,7 @@ def _cases(draw):
 @settings(max_examples=25, deadline=None)
 @given(case=_cases())
 def test_gather_decode_inputs_matches_its_definition(case):
-    from engine.graph_inputs import gather_decode_inputs
+    from engine.kernels.graph_inputs import gather_decode_inputs
 
     rows, width, flat, size, seed = case
     gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""The narrow GEMM (engine/layers/narrow_gemm.py, a CUTLASS kernel built on first use on sm90): against a float64
+"""The narrow GEMM (engine/kernels/narrow_gemm.py, a CUTLASS kernel built on first use on sm90): against a float64
 product within twice cuBLAS's error, rows independent of M (what graph padding and prefill buckets rely on), a
 chain of them under programmatic dependent launch in a CUDA graph equal to the same chain eagerly, and the fused ops'
 dispatch. On the CPU: the shapes it takes."""
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.layers import narrow_gemm as ng
+from engine.kernels import narrow_gemm as ng
 
 
 @given(m=st.integers(-2, 300), n=st.integers(0, 5000), k=st.integers(0, 5000))

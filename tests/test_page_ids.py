@@ -1,4 +1,4 @@
-"""The page ids of the FlashInfer page lists (engine/attention/page_ids.py) against their definition: page j of entry
+"""The page ids of the FlashInfer page lists (engine/kernels/page_ids.py) against their definition: page j of entry
 i is page_table[row_i, j * page_size] // page_size, at kv_indptr[i] + j. Hypothesis searches entry counts, rows
 (repeated, the dummy's), page counts (0: a graph prefill's empty entry; up to a row's width; past one program's
 block), page sizes and tables; on the CPU through Triton's interpreter. Every written id equals the definition and
@@ -37,7 +37,7 @@ def _cases(draw):
 @settings(max_examples=30, deadline=None)
 @given(case=_cases())
 def test_page_ids_match_their_definition(case):
-    from engine.attention.page_ids import page_ids
+    from engine.kernels.page_ids import page_ids
 
     page_size, num_rows, width, rows, counts, seed = case
     gen = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""The FA3 prefill work list a prefill graph builds on the device (engine/attention/prefill_schedule.py; Triton's
+"""The FA3 prefill work list a prefill graph builds on the device (engine/kernels/prefill_schedule.py; Triton's
 interpreter on a CPU): exactly FlashInfer's items (one per query head, request and query tile, with the request's
 offsets and lengths), each CTA's range in work_indptr, and the most a CTA runs within total / CTAs + the largest item
 (hypothesis over batches of prompts, extends and empty entries, head sizes and CTA counts). On CUDA, the arrays a
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import prefill_schedule
+from engine.kernels import prefill_schedule
 
 Item = Tuple[int, ...]
 

@@ -1,4 +1,4 @@
-"""The fused q/k norm + RoPE + KV store (engine/layers/qk_rope_store.py) against a float64 definition: hypothesis
+"""The fused q/k norm + RoPE + KV store (engine/kernels/qk_rope_store.py) against a float64 definition: hypothesis
 searches token counts, head counts, head dims, page sizes, norms, positions and slots (on the CPU through Triton's
 interpreter). q and the stored K within the kernel's two roundings, V bit for bit, the projection's K left as the pool
 got it (the ragged prefill reads it there), and every slot, layer and input it must leave alone bitwise as it was; a
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.kernels import qk_rope_store as fused
 from engine.kvcache import KVCachePool
-from engine.layers import qk_rope_store as fused
 from engine.utils.device import has_triton
 from engine.layers.rotary import cos_sin_table
 from engine.models.config import RotaryConfig

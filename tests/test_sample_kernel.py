@@ -1,12 +1,12 @@
-"""The sampler's Triton kernels (engine/sample_kernel.py), searched by hypothesis over rows, vocabularies (within one
-block, at its edges, several blocks), logits (spread, ties, masked -inf ids, bad rows), temperatures (a greedy row's
-1e-6 too) and uniforms; on the CPU through Triton's interpreter. The draw against the inverse CDF of the float64
-softmax of the float32 tempered logits (sample.py's float64 reference; torch's float32 softmax flushes to zero the
-ids more than about 104 below the max, which the kernel's weights relative to each block's own max may keep, so a
-point of exactly 0 can fall on one of them): each drawn id's CDF interval [cdf[k - 1], cdf[k]) holds the point
-within 1e-6 of the row's mass (probabilities rounded in float32 and summed in another order differ by a few units of
-1e-7), and it has mass. The check itself fails a draw planted one id off or read 0.1% of the mass low. The argmax
-against torch's, and both kernels' answer to a bad row (-1) against sample.py's rule."""
+"""The sampler's Triton kernels (engine/kernels/sample_kernel.py), searched by hypothesis over rows, vocabularies
+(within one block, at its edges, several blocks), logits (spread, ties, masked -inf ids, bad rows), temperatures (a
+greedy row's 1e-6 too) and uniforms; on the CPU through Triton's interpreter. The draw against the inverse CDF of the
+float64 softmax of the float32 tempered logits (sample.py's float64 reference; torch's float32 softmax flushes to zero
+the ids more than about 104 below the max, which the kernel's weights relative to each block's own max may keep, so a
+point of exactly 0 can fall on one of them): each drawn id's CDF interval [cdf[k - 1], cdf[k]) holds the point within
+1e-6 of the row's mass (probabilities rounded in float32 and summed in another order differ by a few units of 1e-7), and
+it has mass. The check itself fails a draw planted one id off or read 0.1% of the mass low. The argmax against torch's,
+and both kernels' answer to a bad row (-1) against sample.py's rule."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ SLACK = 1e-6
 
 @st.composite
 def _rows(draw):
-    from engine.sample_kernel import BLOCK
+    from engine.kernels.sample_kernel import BLOCK
 
     rows = draw(st.integers(1, 4))
     vocab = draw(st.sampled_from([6, 100, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 808]))
@@ -61,7 +61,7 @@ def _assert_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, got: torch.
 @settings(max_examples=60, deadline=None)
 @given(case=_rows())
 def test_tempered_draw_is_torchs_inverse_cdf(case):
-    from engine.sample_kernel import draw
+    from engine.kernels.sample_kernel import draw
 
     logits, temps, uniforms = case
     got = draw(logits.to(DEVICE), uniforms.to(DEVICE), temps.to(DEVICE)).cpu()
@@ -72,7 +72,7 @@ def test_tempered_draw_is_torchs_inverse_cdf(case):
 @given(case=_rows())
 def test_draw_from_given_probabilities_is_torchs_inverse_cdf(case):
     """Unnormalized probabilities with zeros (a filter's output): the same search, no softmax."""
-    from engine.sample_kernel import draw
+    from engine.kernels.sample_kernel import draw
 
     logits, temps, uniforms = case
     probs = torch.softmax(logits.float() / temps.unsqueeze(1), -1)
@@ -123,7 +123,7 @@ def _valid(logits: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(case=_rows_with_bad())
 def test_argmax_is_the_lowest_maximal_id_and_minus_one_for_a_bad_row(case):
-    from engine.sample_kernel import argmax
+    from engine.kernels.sample_kernel import argmax
 
     logits, _, _ = case
     got = argmax(logits.to(DEVICE)).cpu()
@@ -135,7 +135,7 @@ def test_argmax_is_the_lowest_maximal_id_and_minus_one_for_a_bad_row(case):
 @given(case=_rows_with_bad())
 def test_tempered_draw_gives_minus_one_for_a_bad_row_and_leaves_the_others_alone(case):
     """Each row is its own program: a bad row's neighbours draw what they draw alone."""
-    from engine.sample_kernel import draw
+    from engine.kernels.sample_kernel import draw
 
     logits, temps, uniforms = case
     valid = _valid(logits)
@@ -173,7 +173,7 @@ def test_a_point_at_either_end_of_the_mass_draws_an_id_of_mass(given, edge):
     another order than its mass did, and a point within a rounding of the block's end must still land on an id of
     mass, never on a masked one (the kernel that counted the scan's ids at or below the point drew the last, masked
     id on 25-28 of these 48 rows, from logits and from probabilities alike, in Triton's interpreter)."""
-    from engine.sample_kernel import draw
+    from engine.kernels.sample_kernel import draw
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(48, 8191, generator=gen) * 3

@@ -1,4 +1,4 @@
-"""The skinny GEMM (engine/layers/skinny_gemm.py) against a float64 product: hypothesis searches shapes, bias and
+"""The skinny GEMM (engine/kernels/skinny_gemm.py) against a float64 product: hypothesis searches shapes, bias and
 configurations (on the CPU through Triton's interpreter); on the GPU also every configuration the tuner may pick, the
 row independence that graph padding relies on, and the fused ops' dispatch."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.layers import skinny_gemm as sg
+from engine.kernels import skinny_gemm as sg
 from engine.utils.device import has_triton
 
 pytestmark = [pytest.mark.skipif(not has_triton(), reason="needs Triton"), pytest.mark.devices]

@@ -25,7 +25,7 @@ def _variants(kernel) -> int:
 
 
 def test_qk_rope_store_compiles_once_for_any_count_and_offset():
-    from engine.layers import qk_rope_store as fused
+    from engine.kernels import qk_rope_store as fused
     from engine.layers.rotary import cos_sin_table
     from engine.models.config import RotaryConfig
 
@@ -46,7 +46,7 @@ def test_qk_rope_store_compiles_once_for_any_count_and_offset():
 
 
 def test_page_ids_compiles_once_for_any_entry_count():
-    from engine.attention.page_ids import page_ids, page_ids_kernel
+    from engine.kernels.page_ids import page_ids, page_ids_kernel
 
     dev = torch.device("cuda")
     table = torch.arange(4 * 64, dtype=torch.int32, device=dev).view(4, 64)
@@ -63,7 +63,7 @@ def test_page_ids_compiles_once_for_any_entry_count():
 
 def test_decode_input_gather_compiles_once_for_any_count_and_graph_size():
     from engine.graph import _input_views
-    from engine.graph_inputs import decode_inputs_kernel, gather_decode_inputs
+    from engine.kernels.graph_inputs import decode_inputs_kernel, gather_decode_inputs
 
     dev = torch.device("cuda")
     pool = torch.arange(4 * 64, dtype=torch.int32, device=dev).view(4, 64)

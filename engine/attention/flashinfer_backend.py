@@ -18,8 +18,8 @@ reads the page counts alone, and with tensor cores (PrefillPlan) the lengths; th
 static buffers at replay. A plan is never valid for a slot, only for a shape: a slot's next request has other pages.
 Prefill and extend graphs use one graph-mode prefill wrapper per window over static buffers (init_prefill_graphs), and
 with FA3 a ragged one for the graphs of batches without a cached prefix; paged graphs gather their page ids themselves
-and, with FA3 (sm90), graphs of either kind build its work list too (graph_prologue, prefill_schedule.py), so the host
-plans nothing for them. A graph's page lists reach its static buffers in one
+and, with FA3 (sm90), graphs of either kind build its work list too (graph_prologue, kernels/prefill_schedule.py), so
+the host plans nothing for them. A graph's page lists reach its static buffers in one
 host-to-device copy a step (_page_lists).
 """
 
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BaseAttnMetadata, layer_windows
-from engine.attention.page_ids import page_ids
-from engine.attention.prefill_schedule import sm90_schedule
 from engine.core import Batch, get_global_ctx
+from engine.kernels.page_ids import page_ids
+from engine.kernels.prefill_schedule import sm90_schedule
 from engine.models.config import ModelConfig
 from engine.utils.device import pin
 

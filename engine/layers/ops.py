@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import forwarding_prefill
+from engine.kernels import narrow_gemm, qk_rope_store, skinny_gemm
 from engine.kvcache import KVCachePool
-from engine.layers import narrow_gemm, qk_rope_store, skinny_gemm
 from engine.utils.device import has_flashinfer, has_triton
 
 OPS_BACKENDS = ("torch", "flashinfer")
@@ -93,9 +93,9 @@ class TorchOps:
 class FlashInferOps(TorchOps):
     """One fused kernel per op (CUDA, fp16/bf16), FlashInfer's: rmsnorm, fused_add_rmsnorm, per-head rmsnorm on
     strided [N, H, D] views, RoPE from an fp32 cos/sin cache in place, silu/gelu-tanh-and-mul; and Triton's where it
-    is installed: q/k norms, RoPE and the KV store in one kernel (layers/qk_rope_store.py), a decode's projections and
-    any LM head of at most 16 rows through the skinny GEMM (layers/skinny_gemm.py); and on sm90 the narrow projections
-    (N <= K) of up to 128 rows through a CUTLASS kernel built on first use (layers/narrow_gemm.py)."""
+    is installed: q/k norms, RoPE and the KV store in one kernel (kernels/qk_rope_store.py), a decode's projections and
+    any LM head of at most 16 rows through the skinny GEMM (kernels/skinny_gemm.py); and on sm90 the narrow projections
+    (N <= K) of up to 128 rows through a CUTLASS kernel built on first use (kernels/narrow_gemm.py)."""
 
     def __init__(self) -> None:
         import flashinfer
@@ -128,7 +128,7 @@ class FlashInferOps(TorchOps):
 
     def qk_rope_store_(self, positions: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor,
                        norms: tuple | None, pool: KVCachePool, layer_id: int, out_loc: torch.Tensor) -> None:
-        # one Triton kernel (layers/qk_rope_store.py) for all of it, unless the norms are Gemma's (1 + w) or the
+        # one Triton kernel (kernels/qk_rope_store.py) for all of it, unless the norms are Gemma's (1 + w) or the
         # head size is not a power of two
         gemma = norms is not None and _unit(norms[0].offset)
         if not self.triton or gemma or not qk_rope_store.supports(q, kv):

@@ -1,6 +1,6 @@
 """python -m harness.bench.tune_gemm --model NAME ...: measure every skinny-GEMM configuration on this GPU for the
 models' decode shapes (their projections and LM head, at 1, 2, 4, 8 and 16 rows) and write the fastest of each into
-engine/layers/skinny_gemm_tuned.json under this device's name (other devices' entries are kept), or null where
+engine/kernels/skinny_gemm_tuned.json under this device's name (other devices' entries are kept), or null where
 cuBLAS is faster: the engine then keeps cuBLAS for that shape.
 
 Each configuration is checked against cuBLAS before it is timed (a wrong one would be fast for nothing), and timed
@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from engine.layers import skinny_gemm
+from engine.kernels import skinny_gemm
 from engine.models.config import ModelConfig
 from engine.utils.device import has_triton
 from harness.bench.gemm import MIN_CALLS, REPLAYS, _time_per_call, weight_copies
@@ -87,8 +87,8 @@ def report_markdown(rows: List[Dict[str, object]], device: str, bandwidth: float
             f"four times the L2 cache), median of {REPLAYS} replays; every configuration was checked against a "
             "float64 product (within twice cuBLAS's largest error plus 0.01) before it was timed. `skinny best` is the "
             "fastest configuration (BLOCK_N, BLOCK_K, warps; at one row a BLOCK_K of K or more holds all of K at once) "
-            "and `entry` what `engine/layers/skinny_gemm_tuned.json` holds: that configuration, or cuBLAS where cuBLAS "
-            "was faster."
+            "and `entry` what `engine/kernels/skinny_gemm_tuned.json` holds: that configuration, or cuBLAS where "
+            "cuBLAS was faster."
             + ("" if {r["M"] for r in rows} >= set(ROWS) else
                " The table's entries for other row counts were kept from its earlier runs.")
             + "\n\n" + markdown_table(table))

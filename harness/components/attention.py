@@ -19,8 +19,8 @@ import torch
 from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import Batch, Context, get_global_ctx, set_global_ctx
+from engine.kernels import qk_rope_store
 from engine.kvcache import KVCachePool
-from engine.layers import qk_rope_store
 from harness.components import reference
 from harness.components.measure import CheckResult, Fault, check_fault, measure, planted
 from harness.components.paged import AttentionCase, PagedInputs, build, model_config
@@ -51,7 +51,7 @@ def _backend(kernel: Kernel, inputs: PagedInputs, scale_factor: float) -> Attent
 
 def _forward(backend: AttentionBackend, inputs: PagedInputs, batch: Batch, qkv: List[torch.Tensor]) -> List:
     """Per layer the store, then attention. The FlashInfer side stores through the fused kernel the engine's fused
-    ops use (layers/qk_rope_store.py), without norms and with an identity rotation (cos 1, sin 0: K and q come out
+    ops use (kernels/qk_rope_store.py), without norms and with an identity rotation (cos 1, sin 0: K and q come out
     bit for bit as they went in), so the KV append check compares its writes bitwise with the torch store's."""
     pool, outs = get_global_ctx().kv_cache, []
     fused = not isinstance(backend, TorchBackend)

@@ -22,8 +22,8 @@ from engine import Engine
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import get_global_ctx
+from engine.kernels import qk_rope_store
 from engine.kvcache import KVCachePool
-from engine.layers import qk_rope_store
 from engine.layers.rotary import RotaryEmbedding, cos_sin_table
 from engine.sample import BatchSamplingArgs, Sampler
 

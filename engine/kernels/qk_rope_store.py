@@ -9,7 +9,8 @@ rotates the rounded values in fp32 with the fp32 cos/sin table (FlashInferOps.ro
 model dtype) and rounds once, as FlashInfer's RoPE does; a q or k head is written back in place (a prompt's attention
 may read its K from there: the ragged prefill), a k head and its v head go to the pool. A token's arithmetic is its own
 row of the tile, and the tile's shape is fixed, so its result does not depend on the batch it runs in (graph padding,
-prefill buckets).
+prefill buckets). Its torch reference is TorchOps.qk_rope_store_ (engine/layers/ops.py): tests/test_qk_rope_store.py
+checks the kernel against float64, the component checks (harness/components/ops.py) both against the exact result.
 """
 
 from __future__ import annotations

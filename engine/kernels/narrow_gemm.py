@@ -21,7 +21,8 @@ pair choose the same kernel.
 Build: nvcc (on PATH, or under CUDA_HOME) and CUTLASS's headers, which FlashInfer's package ships, compile
 narrow_gemm.cu for sm_90a into ENGINE_CACHE_DIR (default ~/.cache/engine-harness), under a name hashed from the
 source, the flags and nvcc's version, once per machine (about a minute). Without either, or on another GPU, cuBLAS
-serves every call (logged once).
+serves every call (logged once). Checked against a float64 product, within twice the error of cuBLAS (F.linear,
+the torch reference), by tests/test_narrow_gemm.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A decode step's input ids are the tokens sampled a step before, which stay on the device (the driver's token pool),
 and its KV slots are page-table entries: both are read at each request's last position. Gathered by torch, that is
 two index_selects into new tensors and three copies into the graph's static inputs (one a conversion to int64), plus
-three fills when the batch is padded; this kernel writes the static inputs directly, padding included.
+three fills when the batch is padded; this kernel writes the static inputs directly, padding included. Its torch
+reference is the eager path of GraphRunner.gather_decode_inputs (engine/graph.py); tests/test_graph_inputs.py checks
+it against its definition.
 """
 
 from __future__ import annotations
