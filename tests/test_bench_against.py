@@ -100,7 +100,7 @@ def test_against_head_runs_end_to_end(tmp_path):
     spec = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=3, prefill_lengths=(16,), repeats=2, rounds=2)
     result = run_against("HEAD", "cpu", ["tiny-qwen3"], spec, tmp_path)
     head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
-    assert result["ref"]["commit"] == head.stdout.strip() and result["new"]["tree"] == str(REPO_ROOT)
+    assert result["ref"]["commit"] == head.stdout.strip() and result["new"]["tree"] == "this checkout"
     assert [(r["workload"], r["rounds"], r["repeats"]) for r in result["rows"]] == [("decode", 2, 4), ("prefill", 2, 4)]
     assert all(r["verdict"] in ("faster", "slower", "no difference") for r in result["rows"])
     md = (tmp_path / "against.md").read_text()

@@ -150,7 +150,10 @@ class Side:
         self.log.close()
 
 
-def _setup(model: ModelRef, device: str, spec: AgainstSpec) -> Dict[str, Any]:
+def _setup(model: ModelRef | str, device: str, spec: AgainstSpec) -> Dict[str, Any]:
+    from harness.models import as_model
+
+    model = as_model(model)
     seq = max([spec.decode_ctx + spec.decode_steps + 8, *spec.prefill_lengths]) + 64
     return {"model_path": str(model.folder), "dummy_weights": not model.has_weights,
             "device": device, "dtype": DTYPES[device.split(":")[0]], "max_running_req": max(spec.decode_bs),

@@ -77,7 +77,7 @@ def long_context_targets(rows: List[Dict[str, Any]], model: str) -> List[Dict[st
     """Where the long-prompt targets stand: the prefill's fraction of its compute floor at 32k tokens, the p99
     inter-token latency of running requests while a long prompt arrives against their median step without it; the
     time to first token at every long length."""
-    mine = {(r["workload"], r["length"]): r for r in rows if r["model"] == model and r["runner"] == "engine"}
+    mine = {(r["workload"], r.get("length")): r for r in rows if r["model"] == model and r["runner"] == "engine"}
     out = []
     ttft = sorted((n, r) for (w, n), r in mine.items() if w == "ttft_long")
     if ttft:
