@@ -7,6 +7,7 @@ the count (default 3; `nox -s stress` runs 30)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from typing import Iterator, List
 
 import numpy as np
 import pytest
+import torch
 
+from engine.utils.device import physical_cores
 from harness import golden as G
 from harness.parity.gate import evaluate, tolerance
 from harness.parity.paths import PATHS
@@ -93,3 +96,17 @@ def test_engine_fixes_threads_whatever_the_environment(env: dict) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+def test_refreshed_spread_covers_the_thread_counts_and_keeps_a_larger_record(golden_copy: Path) -> None:
+    """--refresh-spread measures HF across 1, 2 and all cores' threads and keeps a larger spread recorded before
+    (another machine's) instead of replacing it."""
+    prov_file = G.golden_dir(MODEL, "cpu", "float32", golden_copy) / "provenance.json"
+    prov = json.loads(prov_file.read_text())
+    prov["hf_spread_max_abs_logprob"] = 0.5  # as if measured larger elsewhere
+    prov_file.write_text(json.dumps(prov))
+    spread = G.refresh_spread(MODEL, "cpu", torch.float32, root=golden_copy)
+    after = json.loads(prov_file.read_text())
+    assert after["hf_spread_threads"] == sorted({1, min(2, physical_cores()), physical_cores()})
+    assert after["hf_spread_max_abs_logprob"] == spread.stats["err_max"] == 0.5
+    assert 0 < after["hf_spread"]["err_p99"] < 0.5
