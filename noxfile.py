@@ -31,6 +31,15 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def stress(session: nox.Session) -> None:
+    """The CPU parity gate with every core busy, 30 times (`-- N` for another count): every run must pass and give
+    the bits of an idle run (docs/parity-determinism.md). Not in the default sessions: about 10 s a run."""
+    _install(session)
+    repeats = session.posargs[0] if session.posargs else "30"
+    session.run("python", "-m", "pytest", "tests/test_load_stability.py", "-q", env={"STRESS_REPEATS": repeats})
+
+
+@nox.session
 def parity(session: nox.Session) -> None:
     """The engine against HF's golden files along every engine path, then the sampler's distribution tests."""
     _install(session)

@@ -27,6 +27,7 @@ from engine.sample import BatchSamplingArgs, Sampler
 from engine.utils.device import create_event, create_stream, free_memory, is_cuda, physical_cores, set_stream
 from engine.utils.hf import check_model_dir
 from engine.utils.misc import align_up, gib
+from engine.utils.threads import fix_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Engine:
         if is_cuda(self.device):
             torch.cuda.set_device(self.device)
         else:
-            torch.set_num_threads(max(1, physical_cores() // config.tp_info.size))
+            fix_cpu_threads(max(1, physical_cores() // config.tp_info.size))  # not free to follow the load
         torch.manual_seed(config.seed)
         self.stream = create_stream(self.device)
         set_stream(self.stream)

@@ -11,6 +11,12 @@ Exit status, the same for every verb (harness.EXIT_*):
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads its BLAS and OpenMP: neither may choose fewer threads by the machine's load (HF's runs included;
+# an Engine fixes the same itself, engine/utils/threads.py). docs/parity-determinism.md says why.
+os.environ.update({"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"})
+
 import argparse
 import importlib
 import logging

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.moe.base import router_margin
+from engine.utils.device import physical_cores
 from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, compare_row
@@ -46,10 +47,12 @@ def hf_model(model: ModelRef | str, device: str, dtype: torch.dtype, attn: str =
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device).eval()
 
 
-SPREAD_DEFINITION = ("per position of prompt + continuation, HF eager attention against HF sdpa on sdpa's top-K ids "
-                     "(the measure parity applies to the engine): max |logprob difference| ('err') and KL(sdpa || "
-                     "eager) with a rest bucket ('kl'); their distribution over every position of every prompt")
-ROUTED_DEFINITION = ("mixture-of-experts models: the same distribution over the positions where neither sdpa nor eager "
+SPREAD_DEFINITION = ("per position of prompt + continuation, HF against itself: sdpa at the golden's thread count "
+                     "against eager attention and, on the CPU, sdpa and eager at 1, 2 and all cores' threads (each "
+                     "variant on sdpa's top-K ids, the measure parity applies to the engine; a position's value is "
+                     "its largest over the variants): max |logprob difference| ('err') and KL(sdpa || variant) with "
+                     "a rest bucket ('kl'); their distribution over every position of every prompt")
+ROUTED_DEFINITION = ("mixture-of-experts models: the same distribution over the positions where none of its runs "
                      "has a router near tie (a margin <= router_tie in any MoE layer, engine.moe.router_margin, "
                      "teacher-forced on the golden's sequences); hf_router_near_ties lists sdpa's (the golden's) near "
                      "ties per prompt, by position")
@@ -77,35 +80,63 @@ class Spread:
     stats: Dict[str, Any]
     routed: Dict[str, Any] | None = None
     near_ties: List[List[int]] | None = None
+    threads: List[int] | None = None  # the CPU thread counts covered
+
+
+def spread_threads(device: str) -> List[int | None]:
+    """The thread counts HF's spread covers: on the CPU 1, 2 and all cores (a user's run may use any of them, and a
+    product's bits follow its split across threads); None on a GPU (the current setting)."""
+    return [None] if device.split(":")[0] != "cpu" else sorted({1, min(2, physical_cores()), physical_cores()})
+
+
+def _at_threads(model: Any, threads: int | None, full: torch.Tensor, kw: Dict[str, Any]) -> Any:
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return model(full, **kw)
+    finally:
+        torch.set_num_threads(before)
 
 
 def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str, router_tie: float | None = None) -> Spread:
-    """HF against itself: every sequence through sdpa and through eager attention, compared position by position
-    on sdpa's top-K ids with the engine's own measure (harness.compare.compare_row). router_tie (MoE models): the
-    near-tie margin of the dtype, for the routed statistics."""
+    """HF against itself: every sequence through sdpa at this process's thread count (the golden's run) and through
+    each variant (eager attention, and sdpa and eager at every count of spread_threads), compared position by
+    position on sdpa's top-K ids with the engine's own measure (harness.compare.compare_row); a position's err and KL
+    are its largest over the variants. router_tie (MoE models): the near-tie margin of the dtype, for the routed
+    statistics (a near tie in any run counts)."""
     errs, kls, tied, near_ties = [], [], [], []
     kw = {} if router_tie is None else {"output_router_logits": True}
+    variants = [(m, t) for t in spread_threads(device) for m in (sdpa, eager)
+                if not (m is sdpa and t in (None, torch.get_num_threads()))]
     for seq in sequences:
         full = torch.tensor([seq], device=device)
-        oa, ob = sdpa(full, **kw), eager(full, **kw)
+        oa = sdpa(full, **kw)
         a = torch.log_softmax(oa.logits[0].float(), -1).cpu()
-        b = torch.log_softmax(ob.logits[0].float(), -1).cpu()
         ids = a.topk(TOP_K, -1).indices
-        for pos in range(len(seq)):
-            st = compare_row(b[pos], ids[pos].numpy(), a[pos, ids[pos]].numpy())
-            errs.append(st.err)
-            kls.append(st.kl)
+        seq_err, seq_kl = np.zeros(len(seq)), np.zeros(len(seq))
+        ta = None if router_tie is None else router_margins(oa, len(seq), sdpa.config.num_experts_per_tok) <= router_tie
+        tb = np.zeros(len(seq), dtype=bool)
+        for model, threads in variants:
+            ob = _at_threads(model, threads, full, kw)
+            b = torch.log_softmax(ob.logits[0].float(), -1).cpu()
+            for pos in range(len(seq)):
+                st = compare_row(b[pos], ids[pos].numpy(), a[pos, ids[pos]].numpy())
+                seq_err[pos], seq_kl[pos] = max(seq_err[pos], st.err), max(seq_kl[pos], st.kl)
+            if router_tie is not None:
+                tb |= router_margins(ob, len(seq), sdpa.config.num_experts_per_tok) <= router_tie
+        errs += list(seq_err)
+        kls += list(seq_kl)
         if router_tie is not None:
-            k = sdpa.config.num_experts_per_tok
-            ta, tb = (router_margins(o, len(seq), k) <= router_tie for o in (oa, ob))
             tied += list(ta | tb)
             near_ties.append([int(p) for p in np.nonzero(ta)[0]])
+    threads = [t for t in spread_threads(device) if t is not None] or None
     if router_tie is None:
-        return Spread(spread_summary(errs, kls))
+        return Spread(spread_summary(errs, kls), threads=threads)
     keep = ~np.asarray(tied)
     routed = dict(spread_summary(np.asarray(errs)[keep], np.asarray(kls)[keep]), router_tie=router_tie,
                   near_tie_positions=int((~keep).sum()))
-    return Spread(spread_summary(errs, kls), routed, near_ties)
+    return Spread(spread_summary(errs, kls), routed, near_ties, threads)
 
 
 def _sequences(prompts: List[PromptGolden]) -> List[List[int]]:
@@ -116,6 +147,8 @@ def _sequences(prompts: List[PromptGolden]) -> List[List[int]]:
 def _spread_provenance(spread: Spread, names: List[str]) -> Dict[str, Any]:
     prov = {"hf_spread_max_abs_logprob": spread.stats["err_max"], "hf_spread": spread.stats,
             "hf_spread_definition": SPREAD_DEFINITION}
+    if spread.threads:
+        prov["hf_spread_threads"] = spread.threads
     if spread.routed is not None:
         prov.update(hf_spread_routed=spread.routed, hf_router_near_ties=dict(zip(names, spread.near_ties)),
                     hf_spread_routed_definition=ROUTED_DEFINITION)
@@ -172,19 +205,36 @@ def _check_lengths(ref: ModelRef, pset: P.PromptSet, ids: List[List[int]]) -> No
         if len(pid) + P.new_tokens(p) > limit:
             raise UserError(f"prompt {p['name']!r} has {len(pid)} tokens and asks for {P.new_tokens(p)} more, beyond "
                             f"the model's {limit} positions (max_position_embeddings); shorten it")
+def _envelope(recorded: Dict[str, Any] | None, measured: Dict[str, Any] | None) -> Dict[str, Any] | None:
+    """Each statistic at the larger of its recorded and its measured value: a spread measured on another machine
+    adds HF's variation there (its BLAS, its kernels), it does not replace the variation measured before."""
+    if not recorded or measured is None:
+        return measured
+    return {k: max(v, recorded[k]) if isinstance(v, float) and isinstance(recorded.get(k), float) else v
+            for k, v in measured.items()}
 
 
 @torch.inference_mode()
-def refresh_spread(model: str, device: str, dtype: torch.dtype, root: Path = GOLDEN_DIR) -> Dict[str, Any]:
+def refresh_spread(model: ModelRef | str, device: str, dtype: torch.dtype, root: Path | None = None) -> Spread:
     """Measure HF's spread again on the committed golden's own sequences and rewrite only its provenance.json
-    (the golden's arrays stay as they are)."""
+    (the golden's arrays stay as they are). The spread recorded so far is kept where it is larger (_envelope), so
+    that a correct engine passes on every machine measured; hf_spread_devices lists them."""
     dtype_name = str(dtype).removeprefix("torch.")
     gs = load_checked(model, device.split(":")[0], dtype_name, root)
     hf, hf_eager = hf_model(model, device, dtype), hf_model(model, device, dtype, attn="eager")
     spread = hf_spread(hf, hf_eager, _sequences(gs.prompts), device, _router_tie(hf, dtype))
+    old = gs.provenance
+    recorded = dict(old.get("hf_spread") or {})
+    if "hf_spread_max_abs_logprob" in old:  # older goldens record only the largest err
+        recorded["err_max"] = max(recorded.get("err_max", 0.0), float(old["hf_spread_max_abs_logprob"]))
+    spread = Spread(_envelope(recorded, spread.stats), _envelope(old.get("hf_spread_routed"), spread.routed),
+                    spread.near_ties, spread.threads)
     folder = golden_dir(model, device.split(":")[0], dtype_name, root)
     names = [p.name for p in gs.prompts]
-    prov = dict(gs.provenance, **_spread_provenance(spread, names), hf_spread_measured=provenance(device)["date"])
+    here = provenance(device)
+    devices = sorted(set(old.get("hf_spread_devices", [old.get("device_name", "")])) | {here["device_name"]})
+    prov = dict(old, **_spread_provenance(spread, names), hf_spread_measured=here["date"],
+                hf_spread_devices=[d for d in devices if d])
     prov["prompt_names"] = names
     (folder / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n")
     return spread

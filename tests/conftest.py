@@ -7,6 +7,9 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator, List
 
+# before torch loads its BLAS and OpenMP, as python -m harness does (docs/parity-determinism.md)
+os.environ.update({"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"})
+
 import pytest
 import torch
 
