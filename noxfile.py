@@ -41,9 +41,32 @@ def stress(session: nox.Session) -> None:
 
 @nox.session
 def parity(session: nox.Session) -> None:
-    """The engine against HF's golden files along every engine path, then the sampler's distribution tests."""
+    """The engine against HF's golden files along every engine path, then the sampler's distribution tests; then the
+    long-context goldens (golden/long-context/: prompts of 2,000-4,000+ tokens) along every path, unless the arguments
+    name models, a golden folder or prompts of their own."""
     _install(session)
     session.run("python", "-m", "harness", "parity", *session.posargs)
+    long_context = _long_context_args(session.posargs)
+    if long_context:
+        session.run("python", "-m", "harness", "parity", *long_context)
+
+
+LONG_CONTEXT = Path("golden/long-context")
+_OWN_SET = {"--model", "--model-path", "--name", "--golden-dir", "--prompts"}
+
+
+def _long_context_args(posargs: list[str]) -> list[str]:
+    """The long-context gate: every model with a long-context golden on the device asked for. Printed only
+    (--no-report): a parity report is placed by model and device, where it would replace the default set's."""
+    if any(a.split("=")[0] in _OWN_SET for a in posargs):
+        return []
+    given = [b for a, b in zip(posargs, posargs[1:]) if a == "--device"] + \
+        [a.split("=", 1)[1] for a in posargs if a.startswith("--device=")]
+    device = (given or ["cpu"])[-1].split(":")[0]
+    models = sorted({d.parent.name for d in LONG_CONTEXT.glob(f"*/{device}-*")})
+    rest = [a for a in posargs if a != "--update-reports"]
+    return ["--golden-dir", str(LONG_CONTEXT), "--no-sampling", "--no-report",
+            *(x for m in models for x in ("--model", m)), *rest] if models else []
 
 
 @nox.session
