@@ -85,8 +85,11 @@ def test_a_sampling_fail_is_1_and_each_failing_row_is_a_junit_failure(tmp_path, 
 
 # ------------------------------------------------------------------------------------------------ user errors: 2
 def _one_error_line(capsys: pytest.CaptureFixture, *words: str) -> None:
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("error: ") and "; " in err, err
+    """stderr ends in one `error:` line; only progress lines (a model prepared first, say) may come before it."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = lines[-1] if lines else ""
+    assert err.startswith("error: ") and "; " in err, lines
+    assert not any(line.startswith(("error", "Traceback", "internal error")) for line in lines[:-1]), lines
     assert all(w in err for w in words), err
 
 

@@ -80,6 +80,7 @@ def test_prompt_runs_one_golden_prompt_by_index_or_name(capsys):
         result = run_parity("tiny-qwen3", paths=["batch"], prompt=chosen)
         assert result.passed and [(p.prompt, p.index) for p in result.prompts] == [(name, 2)]
         assert headline(result) is None
+    capsys.readouterr()
     assert main(["parity", "--model", "tiny-qwen3", "--path", "batch", "--prompt", "no-such-prompt"]) == 2
     assert capsys.readouterr().err.startswith("error: --prompt no-such-prompt: ")
 
