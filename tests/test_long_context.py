@@ -6,10 +6,10 @@ tokens of real text, every position), along the two paths that reach what only a
 - `chunked`, with 256-token chunks: each prompt arrives in 16 extends over its own cached prefix, which grows to
   4,000+ tokens across pages of 4, while the other prompt decodes between its chunks. The parity path's own 5-token
   chunks (about 800 a prompt, several CPU minutes) add only smaller chunks, which the default set's gate
-  (tests/test_parity.py) already covers; `nox -s parity` runs them here too.
+  (tests/test_parity.py) already covers; `nox -s parity-long` runs them here too.
 
 The other paths add nothing at this length that these two miss (single and paged: batch's prefill alone or on larger
-pages; prefix and continuous: extends, as chunked's; free: the engine's own 16 tokens), and run in `nox -s parity`
+pages; prefix and continuous: extends, as chunked's; free: the engine's own 16 tokens), and run in `nox -s parity-long`
 with gemma3-270m's long-context golden (past its sliding window), which needs a 238 MB download first.
 """
 
