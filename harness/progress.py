@@ -19,11 +19,13 @@ def interactive() -> bool:
 
 
 def quiet_libraries() -> None:
-    """Off a terminal, the bars of HF's libraries too (transformers' "Loading weights", huggingface_hub's downloads):
-    the environment reaches them when they are imported, here and in the processes this one starts."""
+    """Off a terminal, the bars of HF's libraries too (transformers' "Loading weights" and GGUF conversion,
+    huggingface_hub's downloads): the environment reaches them when they are imported, here and in the processes
+    this one starts."""
     if interactive():
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # bars libraries draw with tqdm directly (transformers' GGUF loader)
     if "huggingface_hub" in sys.modules:
         from huggingface_hub.utils import disable_progress_bars
 
