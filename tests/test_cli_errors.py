@@ -74,18 +74,6 @@ def test_verbose_keeps_the_traceback(capsys):
     assert "Traceback" in err and "check_device" in err and err.strip().splitlines()[-1].startswith("error: ")
 
 
-def test_an_internal_error_is_not_made_a_user_error(monkeypatch, capsys):
-    from harness.bench import run
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("an internal failure")
-
-    monkeypatch.setattr(run, "run_bench", broken)
-    assert main(["bench", "--model", "tiny-qwen3", "--no-hf"]) == 3
-    err = capsys.readouterr().err
-    assert "RuntimeError: an internal failure" in err and "error: an internal failure" not in err
-
-
 def test_a_message_of_several_lines_becomes_one():
     msg = "golden g was made for something else:\n  dtype: golden has 'a', here 'b'\n  model: x\nregenerate it: cmd"
     assert one_line(msg) == "golden g was made for something else: dtype: golden has 'a', here 'b'; model: x; " \

@@ -167,3 +167,4 @@ def test_an_internal_error_is_3_with_its_traceback(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "RuntimeError: an internal failure" in err
     assert err.strip().splitlines()[-1].startswith("internal error: ")
+    assert "error: an internal failure" not in err  # not made a user error
