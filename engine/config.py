@@ -45,6 +45,10 @@ class EngineConfig:
     max_prefill_tokens: int | None = None  # most tokens one forward may carry (None: max_seq_len); sizes the reserve
     seed: int = 42  # torch's seed and the sampler's: requests without a seed of their own draw from it
     record_router_margins: bool = False  # MoE: hand back each token's router margins with the logits (parity)
+    # a request's logits, and so its greedy and seeded tokens, are bitwise the same whatever else is in its batch:
+    # the torch kernels with GEMMs and activations whose rows do not depend on the batch's, and attention per request
+    # (engine/batch_invariant.py); the CPU only
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

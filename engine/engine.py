@@ -10,6 +10,7 @@ from typing import Any, List
 
 import torch
 
+from engine import batch_invariant
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
@@ -124,13 +125,16 @@ class Engine:
     def _load_model(self, config: EngineConfig) -> torch.nn.Module:
         with torch.device("meta"):
             model = create_model(config.model_config, config.max_seq_len, self.device, self.dtype,
-                                 create_ops(config.ops_backend))
+                                 create_ops(config.ops_backend, config.batch_invariant))
         if config.use_dummy_weight:
             state = dummy_state_dict(model, self.device, self.dtype)
         else:
             state = load_weight_state_dict(str(check_model_dir(config.model_path)), config.model_config,
                                            self.device, self.dtype)
         model.load_state_dict(state, strict=True, assign=True)
+        if config.batch_invariant:  # the BLAS here must have the property the mode's GEMM rests on
+            batch_invariant.check_gemm(next(p for n, p in model.named_parameters()
+                                            if p.dim() == 2 and "embed" not in n))
         return model.eval()
 
     def _determine_num_pages(self, init_free_memory: int, config: EngineConfig) -> MemoryPlan:
@@ -163,10 +167,11 @@ class Engine:
 
     def _make_attn_backend(self, config: EngineConfig) -> AttentionBackend:
         return create_attention_backend(config.attention_backend, config.model_config, self.num_qo_heads,
-                                        self.num_kv_heads, self.device, self.dtype)
+                                        self.num_kv_heads, self.device, self.dtype, config.batch_invariant)
 
     def _make_moe_backend(self, config: EngineConfig) -> MoEBackend | None:
-        return create_moe_backend(config.moe_backend, self.device) if config.model_config.is_moe else None
+        return create_moe_backend(config.moe_backend, self.device, config.batch_invariant) \
+            if config.model_config.is_moe else None
 
     # ------------------------------------------------------------------ the one method
     @torch.inference_mode()
@@ -262,6 +267,8 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         device = f"cuda:{config.tp_info.rank}"  # one GPU per TP rank
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    if config.batch_invariant:
+        config = _invariant_backends(config, device)
     backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
     ops = resolve_ops_backend(config.ops_backend, torch.device(device), config.dtype)
     moe = resolve_moe_backend(config.moe_backend, torch.device(device), config.dtype, mc, config.tp_info.size)
@@ -278,6 +285,19 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
                                cuda_graph_bs=graph_bs, cuda_graph_max_bs=max(graph_bs, default=0),
                                prefill_graph_tokens=prefill_tokens,
                                prefill_graph_max_reqs=min(config.prefill_graph_max_reqs, config.max_running_req))
+
+
+def _invariant_backends(config: EngineConfig, device: str) -> EngineConfig:
+    """batch_invariant: the torch kernels (the invariant compositions replace their GEMMs and attention), or why not."""
+    if device.startswith("cuda"):
+        raise ValueError("batch_invariant runs on the CPU only: on CUDA, cuBLAS and the skinny GEMM choose their "
+                         "kernel by the row count and FlashInfer its KV split by the batch, and the fixed-tiling "
+                         "GEMM and fixed-split attention that would replace them are not built yet")
+    chosen = {"attention_backend": config.attention_backend, "ops_backend": config.ops_backend,
+              "moe_backend": config.moe_backend}
+    if any(v not in ("auto", "torch") for v in chosen.values()):
+        raise ValueError(f"batch_invariant uses the torch kernels, got {chosen}")
+    return dataclasses.replace(config, **{k: "torch" for k in chosen})
 
 
 def _prefill_graph_tokens(config: EngineConfig) -> int:

@@ -151,7 +151,10 @@ def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torc
             threshold = ranked.gather(1, (top_k.long() - 1).clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
             ranked = ranked.masked_fill(ranked < threshold.unsqueeze(1), 0.0)
         if top_p is not None:
-            mass = ranked.cumsum(dim=-1) / ranked.sum(dim=-1, keepdim=True)  # of the top-k-renormalized rest
+            # of the top-k-renormalized rest; the total is the scan's last entry: one row's sum, whatever the batch
+            # (a lone row's sum() is split across threads on a CPU, a batch's is not)
+            cumulative = ranked.cumsum(dim=-1)
+            mass = cumulative / cumulative[:, -1:]
             crossing = (mass < top_p.unsqueeze(1)).sum(dim=-1).clamp(max=vocab - 1)
             p_cross = ranked.gather(1, crossing.unsqueeze(1)).squeeze(1)
             # top_p 1 keeps everything, however the cumulative sum rounds near 1

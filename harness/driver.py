@@ -17,6 +17,9 @@ putting a chunk beside the decodes in one forward (a mixed batch): a decode step
 kernels, and a running request's tokens do not depend on whether a long prompt is arriving (a decode row in a
 prefill batch would go through the prefill kernels); the price is one decode step per chunk, a running request's
 next token waiting for at most one chunk.
+In batch-invariant mode (EngineConfig.batch_invariant) a prompt's chunks do not depend on what else runs: every chunk
+of a prompt over the budget is the smaller of the budget and decode_chunk_tokens, whether or not others decode (a
+prompt's bits follow its chunks: their attention sums over other lengths).
 
 Two loops share every step function and differ only in order (mini-sglang's normal_loop / overlap_loop):
 - simple: schedule step N, launch it, wait for its tokens, process them;
@@ -212,6 +215,7 @@ class Driver:
         self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.decode_chunk_tokens = decode_chunk_tokens
+        self.fixed_chunks = engine.config.batch_invariant  # a prompt's chunks never follow whether others decode
         self._after_chunk = False  # the last step carried a chunk that was not its prompt's last: decodes go next
         self._waiting_logged: int | None = None  # the uid whose wait for pages was logged last
         self.overlap = overlap
@@ -351,25 +355,27 @@ class Driver:
                       t0: float) -> _Step | None:
         """The next chunks of prompts under way, then newly admitted requests, within the budget."""
         budget = self.max_prefill_tokens
-        reqs: List[Req] = []
+        chunks: List[Req] = []  # chunks that are not their prompt's last: nothing of theirs is sampled
         members: List[_Running] = []
         under_way = [r for r in running if r.prefilling]
         while budget > 0:
             admitting = not under_way
-            r = self._admit(waiting, budget, first=not reqs) if admitting else under_way.pop(0)
+            r = self._admit(waiting, budget, first=not (chunks or members)) if admitting else under_way.pop(0)
             if r is None:
                 break
             if admitting:
                 running.append(r)
             req = self._next_chunk(r, budget, decoding)
             budget -= req.extend_len
-            reqs.append(req)
             if req is r.req:  # its last chunk: the step samples its first token
                 members.append(r)
-        if not reqs:
+            else:
+                chunks.append(req)
+        if not (chunks or members):
             return None
-        self._after_chunk = len(members) < len(reqs)
-        return self._make_step("prefill", reqs, members, on_logits, t0)
+        self._after_chunk = bool(chunks)
+        # the members lead the batch: the step's first sampled tokens are theirs (feed-back and processing read them)
+        return self._make_step("prefill", [r.req for r in members] + chunks, members, on_logits, t0)
 
     def _next_chunk(self, r: _Running, budget: int, decoding: bool) -> Req:
         """The request's next prefill chunk: the rest of its prompt (the request itself, which samples), or a
@@ -378,7 +384,7 @@ class Driver:
         start, prompt_len = r.req.cached_len, len(r.result.prompt_ids)
         end = r.prefix_len if start < r.prefix_len < prompt_len else prompt_len
         limit = budget
-        if decoding and prompt_len > self.max_prefill_tokens:
+        if (decoding or self.fixed_chunks) and prompt_len > self.max_prefill_tokens:
             limit = min(limit, self.decode_chunk_tokens)
         end = min(end, start + limit)
         if end == prompt_len:

@@ -76,7 +76,7 @@ def parity_headline(result: "ParityResult", path: str) -> str | None:
 
 def parity_suite(result: "ParityResult") -> Suite:
     """A testcase per path of one model, device and dtype: its headline, then every failing prompt."""
-    classname = f"parity.{result.model}.{result.device.split(':')[0]}-{result.dtype}"
+    classname = f"parity.{result.model}.{result.device.split(':')[0]}-{result.dtype}{result.mode_suffix}"
     suite = Suite(classname)
     for pr in result.paths:
         headline = parity_headline(result, pr.path)

@@ -26,14 +26,14 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
 
 
 def create_attention_backend(name: str, model_config: ModelConfig, num_qo_heads: int, num_kv_heads: int,
-                             device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+                             device: torch.device, dtype: torch.dtype, invariant: bool = False) -> AttentionBackend:
     if name == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(model_config, num_qo_heads, num_kv_heads, device, dtype)
     from engine.attention.torch_backend import TorchBackend
 
-    return TorchBackend(model_config)
+    return TorchBackend(model_config, per_request=invariant)
 
 
 __all__ = ["AttentionBackend", "BaseAttnMetadata", "create_attention_backend", "resolve_attention_backend"]

@@ -3,11 +3,16 @@
 Each request's K/V is gathered from its page-table row into a padded [B, Hkv, Lk, D] block and attended with
 SDPA under an explicit mask: key j is visible to query i when j <= cached_len + i, and on a sliding layer also
 when (cached_len + i) - j < window (HF's rule: the query's own key and window - 1 before it).
+
+Padding every request to the batch's longest changes the lengths SDPA sums each query's keys over, and so a
+request's bits with its batch: in batch-invariant mode (per_request) each request is attended on its own, over
+exactly its own keys, one SDPA call each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +30,32 @@ class TorchAttnMetadata(BaseAttnMetadata):
     masks: dict  # window (None = full) -> [B, 1, Lq, Lk] bool, True = attend
 
 
+@dataclass
+class RequestAttn:
+    """One request's attention in per-request mode."""
+
+    start: int  # its tokens are rows [start, end) of the packed batch
+    end: int
+    kv_start: int  # its keys are rows [kv_start, kv_end) of the batch's gathered keys, exactly its own
+    kv_end: int
+    masks: dict  # window -> [1, 1, Lq, Lk] bool, or None where every key is visible
+
+
+@dataclass
+class PerRequestMetadata(BaseAttnMetadata):
+    requests: List[RequestAttn]
+    kv_slots: torch.Tensor  # [sum of Lk] int64: every request's key slots, one after another (one gather a layer)
+
+
 class TorchBackend(AttentionBackend):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, per_request: bool = False) -> None:
         self.windows = layer_windows(config)
         self.scale = config.attn_scale  # None: SDPA's 1 / sqrt(head_dim)
+        self.per_request = per_request
 
     def prepare_metadata(self, batch: Batch) -> None:
+        if self.per_request:
+            return self._prepare_per_request(batch)
         ctx = get_global_ctx()
         reqs = batch.padded_reqs
         device = ctx.page_table.device
@@ -61,12 +86,34 @@ class TorchBackend(AttentionBackend):
             masks=masks,
         )
 
+    def _prepare_per_request(self, batch: Batch) -> None:
+        page_table = get_global_ctx().page_table
+        cu, kv_cu, requests, slots = [0], [0], [], []
+        for r in batch.padded_reqs:
+            lk = r.cached_len + r.extend_len
+            cu.append(cu[-1] + r.extend_len)
+            kv_cu.append(kv_cu[-1] + lk)
+            qpos = torch.arange(r.cached_len, lk)[:, None]
+            kpos = torch.arange(lk)[None, :]
+            masks = {}
+            for window in set(self.windows):
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= qpos - kpos < window
+                masks[window] = None if bool(mask.all()) else mask[None, None].to(page_table.device)
+            requests.append(RequestAttn(cu[-2], cu[-1], kv_cu[-2], kv_cu[-1], masks))
+            slots.append(page_table[r.table_idx, :lk])
+        batch.attn_metadata = PerRequestMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(page_table.device), requests=requests,
+            kv_slots=torch.cat(slots).long())
+
     def forward(self, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        kv_cache = get_global_ctx().kv_cache
+        k_slots, v_slots = get_global_ctx().kv_cache.slots(layer_id)
+        if isinstance(batch.attn_metadata, PerRequestMetadata):
+            return self._forward_per_request(q, k_slots, v_slots, self.windows[layer_id], batch.attn_metadata)
         md: TorchAttnMetadata = batch.attn_metadata
         mask = md.masks[self.windows[layer_id]]
         n, hq, d = q.shape
-        k_slots, v_slots = kv_cache.slots(layer_id)
         hkv = k_slots.shape[1]
         bsz, lk = md.kv_slots.shape
         slots = md.kv_slots.flatten()  # index_select: far cheaper than advanced indexing on a CPU
@@ -81,3 +128,18 @@ class TorchBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=hq != hkv)
         return out.transpose(1, 2)[md.q_valid].reshape(n, hq * d)  # back to packed [N, Hq * D]
+
+    def _forward_per_request(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                             window: int | None, md: PerRequestMetadata) -> torch.Tensor:
+        n, hq, d = q.shape
+        gqa = hq != k_slots.shape[1]
+        out = q.new_empty(n, hq * d)
+        all_keys, all_values = k_slots.index_select(0, md.kv_slots), v_slots.index_select(0, md.kv_slots)
+        for r in md.requests:
+            keys = all_keys[r.kv_start: r.kv_end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+            values = all_values[r.kv_start: r.kv_end].transpose(0, 1).unsqueeze(0)
+            queries = q[r.start: r.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=r.masks[window], scale=self.scale,
+                                               enable_gqa=gqa)
+            out[r.start: r.end] = o[0].transpose(0, 1).reshape(r.end - r.start, hq * d)
+        return out

@@ -4,11 +4,11 @@ backend (the global context's, chosen once), the partial sums meeting in one all
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.core import get_global_ctx
 from engine.distributed import div_even, get_tp_info, tp_all_reduce
+from engine.layers.ops import TorchOps
 from engine.models.config import ModelConfig
 from engine.moe.base import router_margin
 
@@ -23,8 +23,9 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, moe_index: int) -> None:
+    def __init__(self, config: ModelConfig, moe_index: int, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         inter = div_even(config.moe_intermediate_size, get_tp_info().size)
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # the router, replicated
         self.gate.weight.requires_grad_(False)
@@ -36,7 +37,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] -> [N, H]."""
         ctx = get_global_ctx()
-        router_logits = F.linear(x, self.gate.weight)  # [N, E] in the model dtype, as HF computes them
+        router_logits = self.ops.router(x, self.gate.weight)  # [N, E] in the model dtype, as HF computes them
         if ctx.router_margins is not None:  # parity's router near-tie detection asked for them
             ctx.router_margins[: x.shape[0], self.moe_index] = router_margin(router_logits, self.top_k)
         out = ctx.moe_backend.forward(x, router_logits, self.experts.gate_up_proj, self.experts.down_proj,

@@ -1,7 +1,8 @@
-"""The small ops of a decoder layer, in two implementations chosen once per engine (EngineConfig.ops_backend).
+"""The small ops and GEMMs of a decoder layer, in implementations chosen once per engine (EngineConfig.ops_backend).
 
 TorchOps is the readable definition, with Hugging Face's numerics (the reference on any device and dtype);
-FlashInferOps replaces each op by one fused CUDA kernel for half precision. Layers hold the chosen object and never
+FlashInferOps replaces each op by one fused CUDA kernel for half precision; BatchInvariantOps (batch_invariant) is
+TorchOps whose GEMMs and activation give a row the same bits in any batch (engine/batch_invariant.py). Layers hold the chosen object and never
 branch on the device. Ops ending in `_` work in place on views of the merged q/k/v projection, so the fused path
 writes no copies of q and k.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import batch_invariant
 from engine.core import forwarding_prefill
 from engine.kernels import narrow_gemm, qk_rope_store, skinny_gemm
 from engine.kvcache import KVCachePool
@@ -88,6 +90,28 @@ class TorchOps:
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [rows, H] @ weight [vocab, H]^T: the logits of the rows a batch asks for."""
         return F.linear(x, weight)
+
+    def router(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [N, H] @ weight [E, H]^T: an MoE layer's router logits, in the model dtype as HF computes them."""
+        return F.linear(x, weight)
+
+
+class BatchInvariantOps(TorchOps):
+    """TorchOps whose rows do not depend on their batch (EngineConfig.batch_invariant; engine/batch_invariant.py):
+    every GEMM on the path whose rows do not depend on M, the activation on row blocks one thread computes."""
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        return batch_invariant.act_and_mul(gate_up, act)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
+        return batch_invariant.linear(x if act is None else self.act_and_mul(x, act), weight, bias)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.linear(x, weight)
+
+    def router(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return batch_invariant.linear(x, weight)
 
 
 class FlashInferOps(TorchOps):
@@ -181,5 +205,7 @@ def resolve_ops_backend(name: str, device: torch.device, dtype: torch.dtype) -> 
     return name
 
 
-def create_ops(name: str) -> TorchOps:
+def create_ops(name: str, invariant: bool = False) -> TorchOps:
+    if invariant:
+        return BatchInvariantOps()
     return FlashInferOps() if name == "flashinfer" else TorchOps()

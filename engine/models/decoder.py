@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm() if config.sandwich_norm else None
         self.pre_feedforward_layernorm = norm()
         sparse = bool(config.moe_layers) and config.moe_layers[layer_id]
-        self.mlp = SparseMoE(config, sum(config.moe_layers[:layer_id])) if sparse else MLP(config, ops)
+        self.mlp = SparseMoE(config, sum(config.moe_layers[:layer_id]), ops) if sparse else MLP(config, ops)
         self.post_feedforward_layernorm = norm() if config.sandwich_norm else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

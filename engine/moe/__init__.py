@@ -44,14 +44,14 @@ def resolve_moe_backend(name: str, device: torch.device, dtype: torch.dtype, con
     return name
 
 
-def create_moe_backend(name: str, device: torch.device) -> MoEBackend:
+def create_moe_backend(name: str, device: torch.device, invariant: bool = False) -> MoEBackend:
     if name == "fused":
         from engine.moe.fused import FusedMoE
 
         return FusedMoE(device)
     from engine.moe.torch_backend import TorchMoE
 
-    return TorchMoE()
+    return TorchMoE(invariant)
 
 
 __all__ = ["MOE_BACKENDS", "MoEBackend", "create_moe_backend", "resolve_moe_backend", "router_margin"]

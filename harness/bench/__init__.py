@@ -2,7 +2,8 @@
 and the hardware's limit measured on the same device (limits); on CUDA each decode step's profile names the bound
 (profile); run measures, report writes the tables and plots; against compares this tree with another revision in
 one run (ab_runner: one side's process, ab_stats: the paired ratio, its interval and the performance gate,
-ab_report: its report and plot)."""
+ab_report: its report and plot); invariance measures the default mode's batch variance and batch-invariant mode's
+cost."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fail-if-slower", type=float, metavar="PCT",
                    help="--against: the performance gate; exit status 1 when a row's interval lies wholly beyond PCT "
                         "percent slower than REF (the rows are named, and against.png draws the threshold)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="instead: the default mode's batch variance (smollm2-135m, 32 prompts of real text, 64 greedy "
+                        "tokens, together against alone) and batch-invariant mode's cost against the default, both "
+                        "modes in this run (default model: smollm2-135m); writes batch-invariant/summary.md")
     add_update_flag(p)
     p.set_defaults(func=_command)
 
@@ -42,7 +47,11 @@ def _command(args: argparse.Namespace) -> int:
     stray = [f"--{k.replace('_', '-')}" for k in AGAINST_ONLY if getattr(args, k) is not None]
     if args.against is None and stray:
         raise UserError(f"{' '.join(stray)}: only an A/B run takes it; add --against REF (e.g. --against main)")
-    if args.against is not None:
+    if args.against is not None and args.batch_invariant:
+        raise UserError("--against and --batch-invariant are separate runs: give one of them")
+    if args.batch_invariant:
+        from harness.bench.invariance import command
+    elif args.against is not None:
         from harness.bench.against import command
     else:
         from harness.bench.run import command

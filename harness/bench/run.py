@@ -56,12 +56,13 @@ def _progress(row: Dict[str, Any], clock: progress.Stopwatch) -> Dict[str, Any]:
     return row
 
 
-def _engine(model: ModelRef, device: str, dtype: str, spec: BenchSpec, graphs: bool) -> Engine:
+def _engine(model: ModelRef, device: str, dtype: str, spec: BenchSpec, graphs: bool,
+            batch_invariant: bool = False) -> Engine:
     return Engine(EngineConfig(
         model_path=str(model.folder), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype), device=device,
         max_running_req=max(max(spec.decode_bs), spec.offline[0]), use_dummy_weight=not model.has_weights,
         max_seq_len_override=max(max(spec.prefill_lengths), max(spec.latency_ctx), 2 * spec.offline[2]) + 64,
-        cuda_graph_max_bs=None if graphs else 0))
+        cuda_graph_max_bs=None if graphs else 0, batch_invariant=batch_invariant))
 
 
 def _hf(model: ModelRef, device: str, dtype: str) -> Any:

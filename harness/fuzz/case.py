@@ -22,8 +22,8 @@ CASE_VERSION = 2  # 2: the history a case needs; version 1 files (no history) ar
 
 @dataclass(frozen=True)
 class FuzzConfig:
-    """The engine and the driver under test. Engines are built from the first six fields; the last two are the
-    driver's, so configurations that differ only there share an engine."""
+    """The engine and the driver under test. Engines are built from the first six fields and batch_invariant;
+    max_prefill_tokens and overlap are the driver's, so configurations that differ only there share an engine."""
 
     dtype: str  # float32 | bfloat16 | float16
     attention_backend: str  # torch | flashinfer; the small ops follow it (FlashInfer's fused kernels, or torch's)
@@ -33,6 +33,7 @@ class FuzzConfig:
     pool_tokens: int  # the KV pool holds pool_tokens // page_size pages: small enough that requests wait for pages
     max_prefill_tokens: int  # the driver's token budget of one prefill step
     overlap: bool  # the loop of the main and forced runs; the other loop runs as the overlap-vs-simple check
+    batch_invariant: bool = False  # EngineConfig.batch_invariant; adds the alone invariant (bitwise, per request)
 
     @property
     def num_pages(self) -> int:
@@ -43,7 +44,7 @@ class FuzzConfig:
         return dict(dtype=getattr(torch, self.dtype), device=device, attention_backend=self.attention_backend,
                     ops_backend=self.attention_backend, page_size=self.page_size, max_running_req=self.slots,
                     num_page_override=self.num_pages, max_seq_len_override=MAX_SEQ_LEN,
-                    cuda_graph_max_bs=None if self.graphs else 0)
+                    cuda_graph_max_bs=None if self.graphs else 0, batch_invariant=self.batch_invariant)
 
     def eager_kwargs(self, device: str) -> Dict[str, Any]:
         """The same engine without CUDA graphs: graphs vs eager must agree bitwise (the same kernels)."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from harness import EXIT_FINDING, EXIT_PASS, junit
 from harness.fuzz.case import Case
-from harness.fuzz.faults import planted
+from harness.fuzz.faults import FAULTS, planted
 
 if TYPE_CHECKING:  # hypothesis, which the search needs, is imported only when the verb runs
     from harness.fuzz.invariants import Evaluator
@@ -74,7 +74,8 @@ def _cmd(args: argparse.Namespace) -> int:
         return _replay(args, model)
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
     opts = FuzzOptions(model=model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
-                       planted=args.plant)
+                       planted=args.plant, batch_invariant=True if args.batch_invariant or (
+                           args.plant and FAULTS[args.plant].batch_invariant) else None)
     start, clock = time.monotonic(), progress.Stopwatch()
     with progress.bar(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}"
                       ) as bar:
@@ -83,7 +84,7 @@ def _cmd(args: argparse.Namespace) -> int:
             bar.set_postfix_str(status)
 
         def phase_done(number: int, stats: PhaseStats) -> None:
-            progress.line("fuzz", f"{args.model} {args.device} configuration {number} ({stats.config.dtype}, "
+            progress.line("fuzz", f"{model.name} {args.device} configuration {number} ({stats.config.dtype}, "
                           f"{stats.cases} cases)", "FAIL" if stats.failure else "PASS", clock.lap())
 
         with planted(args.plant):
@@ -103,7 +104,6 @@ def _check(args: argparse.Namespace) -> "ModelRef":
     """What this machine cannot run is refused before any engine starts; the model to run."""
     from harness import UserError, check_device
     from harness import golden as G
-    from harness.fuzz.faults import FAULTS
     from harness.fuzz.strategies import dtypes
     from harness.models import resolve_model
 
@@ -120,6 +120,8 @@ def _check(args: argparse.Namespace) -> "ModelRef":
         raise UserError(f"--plant {args.plant} lives where {device} has no code ({FAULTS[args.plant].description}); "
                         f"use --device {FAULTS[args.plant].device}")
     junit.check_path(args.junit)
+    if args.batch_invariant and kind == "cuda":
+        raise UserError("--batch-invariant: the engine's batch-invariant mode runs on the CPU only; use --device cpu")
     if args.budget is not None and args.budget <= 0:
         raise UserError(f"--budget {args.budget}: give a positive number of seconds")
     for dtype in wanted:
@@ -128,7 +130,6 @@ def _check(args: argparse.Namespace) -> "ModelRef":
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from harness.fuzz.faults import FAULTS
     from harness.models import add_model_arguments
     from harness.report import add_update_flag
 
@@ -141,6 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "failure takes up to half as much again")
     p.add_argument("--replay", type=Path, metavar="FILE", help="run the case a failing search wrote, and exit")
     p.add_argument("--plant", choices=list(FAULTS), help="plant a known fault in this process's engine and driver")
+    p.add_argument("--batch-invariant", action="store_true", help="every configuration in batch-invariant mode "
+                   "(EngineConfig.batch_invariant; default: drawn on cpu, off on cuda; on with the mode's --plant faults)")
     junit.add_flag(p)
     add_update_flag(p)
     p.set_defaults(func=_cmd)

@@ -10,6 +10,10 @@ the fuzzer compares with (the reference, the eager twin) run in processes of the
 - stale-token-on-reused-row: the overlap loop does not feed a prefill's sampled token back for a request that took
   a row another request used before, so its first decode reads that row's old token.
 - pages-freed-twice-at-eos: a request that stops at EOS gives its pages back twice, so two later requests share them.
+- gemm-chosen-by-m (batch-invariant mode): the projections and the LM head through F.linear at the batch's row count,
+  so MKL picks its kernel by M (GEMV at one row, a small-M kernel for leftover rows) as in the default mode.
+- attention-split-by-batch (batch-invariant mode): a batch of several requests is attended padded to its longest
+  request, so each query's keys are summed in blocks whose lengths the batch chooses.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.torch_backend import TorchBackend
+from engine.layers.ops import BatchInvariantOps, TorchOps
 from harness.driver import Driver
 
 
@@ -83,11 +88,30 @@ def _release_twice_at_eos(original: Callable) -> Callable:
     return release
 
 
+def _by_m(method: str) -> Callable[[Callable], Callable]:
+    def wrap(original: Callable) -> Callable:
+        return getattr(TorchOps, method)  # F.linear at the batch's M
+    return wrap
+
+
+def _batch_padded_attention(original: Callable) -> Callable:
+    def prepare_metadata(self: TorchBackend, batch: Any) -> None:
+        if not (self.per_request and len(batch.padded_reqs) > 1):
+            return original(self, batch)
+        self.per_request = False  # the batched plan: every request padded to the longest
+        try:
+            original(self, batch)
+        finally:
+            self.per_request = True
+    return prepare_metadata
+
+
 @dataclass(frozen=True)
 class Fault:
     description: str
     device: str  # where it can show: cpu, cuda or any
     patches: List[Tuple[type, str, Callable[[Callable], Callable]]]  # (class, method, wrapper of the original)
+    batch_invariant: bool = False  # it lives in batch-invariant mode's code: the search runs that mode only
 
 
 FAULTS: Dict[str, Fault] = {
@@ -104,6 +128,12 @@ FAULTS: Dict[str, Fault] = {
     "pages-freed-twice-at-eos": Fault(
         "a request that stops at EOS returns its pages twice", "any",
         [(Driver, "_release", _release_twice_at_eos)]),
+    "gemm-chosen-by-m": Fault(
+        "batch-invariant mode's projections and LM head take MKL's GEMM at the batch's row count (kernel by M)",
+        "cpu", [(BatchInvariantOps, name, _by_m(name)) for name in ("linear", "lm_head")], batch_invariant=True),
+    "attention-split-by-batch": Fault(
+        "batch-invariant mode attends a batch of several requests padded to its longest (key blocks by the batch)",
+        "cpu", [(TorchBackend, "prepare_metadata", _batch_padded_attention)], batch_invariant=True),
 }
 
 

@@ -18,6 +18,10 @@
 6. eager-twin (CUDA graphs on): main on the same engine without graphs: bitwise equal in everything.
 7. seeded-alone: a request whose tokens do not depend on its uid (greedy or seeded) samples the reference's token
    wherever its logits are bitwise equal to the reference's, alone.
+8. alone (batch-invariant configurations): each request alone on the reference engine (one slot, page_size 1, the
+   other loop), with the case's prefill budget and prefix split: its log-probabilities bitwise equal to main's at
+   every position both computed up to where their sampled tokens part (a request without a seed of its own draws
+   by its uid), and its tokens equal there.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from harness.golden import TOP_K
 from harness.models import ModelRef, as_model
 from harness.parity.gate import tolerance
 
-STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin")
-COMPARISONS = ("overlap-simple", "repeat", "graphs-eager", "seeded-alone")  # need the main run besides their own
+STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin", "alone")
+# need the main run besides their own
+COMPARISONS = ("overlap-simple", "repeat", "graphs-eager", "seeded-alone", "batch-invariant")
 
 
 class Evaluator:
@@ -138,12 +143,28 @@ class Evaluator:
         if stage == "repeat":
             out = self._run(engine, dataclasses.replace(free, stage="repeat", check_pool=False))
             return compare_bitwise(main, out, "repeat", "repeat", self.counts), out
+        if stage == "alone":
+            return (self._alone(config, workload, free, main) if config.batch_invariant else None), None
         if not config.graphs or self.eager is None:
             return None, None
         self.eager.configure(config.eager_kwargs(self.device))
         out = self.eager.run(dataclasses.replace(free, stage="eager-twin"))
         self.counts["runs"] += 1
         return out.violation or compare_bitwise(main, out, "graphs-eager", "eager-twin", self.counts), out
+
+    def _alone(self, config: FuzzConfig, workload: Workload, free: RunSpec, main: RunOutput) -> Failure | None:
+        """Each request alone, on the reference engine with the case's budget and prefix split and the other loop,
+        against main: bitwise (batch_invariant)."""
+        self.reference.configure(config.reference_kwargs(self.device))
+        for uid, r in enumerate(workload.requests):
+            out = self.reference.run(dataclasses.replace(
+                free, stage="alone", prompts=[list(r.prompt)], params=[r.params()], overlap=not free.overlap,
+                prefix_lens=[r.prefix_len], check_pool=False))
+            self.counts["runs"] += 1
+            failure = out.violation or batch_invariant(main, out, uid, len(r.prompt), r.uid_free, self.counts)
+            if failure is not None:
+                return failure
+        return None
 
     def _run(self, engine: Engine, spec: RunSpec, refs: List[Reference] | None = None) -> RunOutput:
         out = run_workload(engine, spec, refs)
@@ -261,4 +282,27 @@ def seeded_alone(main: RunOutput, refs: List[Reference], requests: tuple, counts
                                "bitwise equal log-probabilities")
             if s != t:
                 break
+    return None
+
+
+def batch_invariant(main: RunOutput, alone: RunOutput, uid: int, prompt_len: int, uid_free: bool,
+                    counts: Counter) -> Failure | None:
+    """Request uid of main against its run alone (uid 0 there): bitwise equal log-probabilities at every position
+    both computed, up to the first token that differs (from there their inputs differ), and no differing token at
+    all when its draws do not depend on its uid."""
+    ours, theirs = main.tokens[uid], alone.tokens[0]
+    parted = next((j for j, (s, t) in enumerate(zip(ours, theirs)) if s != t), min(len(ours), len(theirs)))
+    last = prompt_len - 1 + parted  # the last position whose inputs are the same in both runs
+    positions = sorted(pos for u, pos in main.digests if u == uid and pos <= last and (0, pos) in alone.digests)
+    if not positions:
+        return Failure("batch-invariant", "alone", f"request {uid}: no position computed both in the batch and "
+                       "alone")
+    counts["positions compared alone, bitwise"] += len(positions)
+    for pos in positions:
+        if main.digests[(uid, pos)] != alone.digests[(0, pos)]:
+            return Failure("batch-invariant", "alone", f"request {uid} position {pos}: the log-probabilities in the "
+                           "batch are not bitwise those of the request alone")
+    if uid_free and parted < min(len(ours), len(theirs)):
+        return Failure("batch-invariant", "alone", f"request {uid} token {parted}: {ours[parted]} in the batch, "
+                       f"{theirs[parted]} alone, from bitwise equal log-probabilities")
     return None

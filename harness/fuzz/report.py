@@ -45,7 +45,8 @@ def _config_rows(result: FuzzResult) -> List[Dict[str, Any]]:
         c = p.config
         rows.append({"#": i, "dtype": c.dtype, "attention": c.attention_backend, "graphs": c.graphs,
                      "slots": c.slots, "page_size": c.page_size, "pages": c.num_pages,
-                     "prefill budget": c.max_prefill_tokens, "overlap": c.overlap, "cases": p.cases,
+                     "prefill budget": c.max_prefill_tokens, "overlap": c.overlap,
+                     "invariant": c.batch_invariant, "cases": p.cases,
                      "seconds": round(p.seconds, 1), "cases/min": round(p.per_minute, 1),
                      "result": f"FAIL: {p.failure.invariant}" if p.failure else "pass"})
     return rows

@@ -49,6 +49,7 @@ class FuzzOptions:
     seed: int = 0
     budget: float = 60.0
     planted: str | None = None
+    batch_invariant: bool | None = None  # every configuration in batch-invariant mode, none, or drawn (None)
     folder: Path = FUZZ_DIR  # hypothesis/ (the example database) and cases/ (failures as JSON) under it
 
 
@@ -119,7 +120,7 @@ class _Search:
 
     def run(self) -> FuzzConfig | None:
         try:
-            return find(configs(self.opts.device, self.opts.dtype), self._config_fails, settings=self._settings(200),
+            return find(configs(self.opts.device, self.opts.dtype, self.opts.batch_invariant), self._config_fails, settings=self._settings(200),
                         random=Random(self.opts.seed), database_key=self._key("configurations"))
         except NoSuchExample:
             return None

@@ -8,6 +8,7 @@ smallest pool (requests wait for pages); no prefill budget to speak of.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, List
 
 from hypothesis import strategies as st
@@ -32,19 +33,24 @@ def dtypes(device: str, dtype: str | None = None) -> List[str]:
 
 
 @st.composite
-def configs(draw: Callable, device: str, dtype: str | None = None) -> FuzzConfig:
-    """On a CPU the torch backend is the only one and graphs do not exist; on CUDA FlashInfer (half precision
-    only) or torch attention, graphs on or off (FlashInfer only), bf16 or fp32."""
+def configs(draw: Callable, device: str, dtype: str | None = None, invariant: bool | None = None) -> FuzzConfig:
+    """On a CPU the torch backend is the only one and graphs do not exist, and batch-invariant mode is on or off; on
+    CUDA FlashInfer (half precision only) or torch attention, graphs on or off (FlashInfer only), bf16 or fp32.
+    invariant: batch-invariant mode always (True), never (False), or drawn (None; the last draw, so that the searches
+    of earlier seeds keep their configurations)."""
     cuda = device.startswith("cuda")
     dtype = draw(st.sampled_from(dtypes(device, dtype)))
     half = dtype in ("bfloat16", "float16")
     backend = draw(st.sampled_from(["flashinfer", "torch"])) if cuda and half else "torch"
     graphs = draw(st.sampled_from([True, False])) if backend == "flashinfer" else False
-    return FuzzConfig(dtype=dtype, attention_backend=backend, graphs=graphs,
-                      slots=draw(st.integers(1, MAX_SLOTS)), page_size=draw(st.sampled_from(PAGE_SIZES)),
-                      pool_tokens=draw(st.sampled_from(POOL_TOKENS)),
-                      max_prefill_tokens=draw(st.sampled_from(PREFILL_BUDGETS)),
-                      overlap=draw(st.sampled_from([True, False])))
+    config = FuzzConfig(dtype=dtype, attention_backend=backend, graphs=graphs,
+                        slots=draw(st.integers(1, MAX_SLOTS)), page_size=draw(st.sampled_from(PAGE_SIZES)),
+                        pool_tokens=draw(st.sampled_from(POOL_TOKENS)),
+                        max_prefill_tokens=draw(st.sampled_from(PREFILL_BUDGETS)),
+                        overlap=draw(st.sampled_from([True, False])))
+    if invariant is None:  # the engine refuses batch-invariant mode on CUDA
+        invariant = False if cuda else draw(st.booleans())
+    return dataclasses.replace(config, batch_invariant=invariant)
 
 
 @st.composite

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: float32 on cpu; bfloat16 and float32 on cuda")
     p.add_argument("--path", action="append", choices=[p.name for p in PATHS], help="default: every path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes; gloo on cpu, NCCL on cuda)")
+    p.add_argument("--batch-invariant", action="store_true", help="the engines in batch-invariant mode "
+                   "(EngineConfig.batch_invariant: a request's logits do not depend on its batch; cpu only); the "
+                   "reports get a -batch-invariant suffix")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--no-report", action="store_true", help="print only; write no report files")
     add_update_flag(where)

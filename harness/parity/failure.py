@@ -83,6 +83,7 @@ def headline(result: ParityResult, path_name: str | None = None) -> str | None:
 
 def rerun_command(result: ParityResult, f: Failure) -> str:
     tp = f" --tp {result.tp}" if result.tp > 1 else ""
+    tp += " --batch-invariant" if result.batch_invariant else ""
     model = result.model_args or f"--model {result.model}"
     return (f"python -m harness parity {model} --device {result.device} --dtype {result.dtype} --path {f.path} "
             f"--prompt {f.prompt}{tp}")

@@ -130,6 +130,12 @@ class ParityResult:
     model_args: str = ""  # how a command line names the model and its goldens (--model NAME, --model-path DIR ...)
     tp: int = 1
     router_tie: float | None = None  # the router near-tie margin (MoE models only)
+    batch_invariant: bool = False  # the engines ran in batch-invariant mode
+
+    @property
+    def mode_suffix(self) -> str:
+        """What the mode adds to the report's and the obtained file's folder name."""
+        return "-batch-invariant" if self.batch_invariant else ""
 
     @property
     def passed(self) -> bool:

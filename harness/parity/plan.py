@@ -24,12 +24,13 @@ class PathPlan:
     max_prefill_tokens: int
 
 
-def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet) -> PathPlan:
+def plan_path(path: ParityPath, device: str, dtype: str, gs: G.GoldenSet, batch_invariant: bool = False) -> PathPlan:
     longest = max(len(p.prompt_ids) + len(p.tokens) for p in gs.prompts)
     kw = dict(dtype=getattr(torch, dtype), device=device, page_size=path.page_size,
               max_running_req=path.max_running_req, num_page_override=16384 // path.page_size,
               max_seq_len_override=max(512, -(-longest // 256) * 256), attention_backend=path.attention_backend,
-              ops_backend=path.ops_backend, moe_backend=path.moe_backend, record_router_margins=True)
+              ops_backend=path.ops_backend, moe_backend=path.moe_backend, record_router_margins=True,
+              batch_invariant=batch_invariant)
     prompts = [pg.prompt_ids.tolist() for pg in gs.prompts]
     forced = [pg.tokens.tolist() for pg in gs.prompts] if path.forced else None
     groups = [[i] for i in range(len(prompts))] if path.one_at_a_time else [list(range(len(prompts)))]

@@ -90,6 +90,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     """Write the markdown and JSON reports (into the committed reports/ only when `update`); return the terminal
     summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
+    tp += " in batch-invariant mode" if result.batch_invariant else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
             f"floor))")
@@ -106,7 +107,8 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     if not write_files:
         return text
     prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
-    name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "")
+    name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "") + \
+        result.mode_suffix
     out = report_root(update) / "parity" / result.model / name
     moe = result.router_tie is not None
     dist_cols = ROUTER_DIST_COLUMNS if moe else DIST_COLUMNS

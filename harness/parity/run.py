@@ -68,10 +68,11 @@ def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
     return rec.stats, rec.outputs, rec.margins
 
 
-def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet) -> tuple:
+def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet,
+             batch_invariant: bool = False) -> tuple:
     """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
     router margins."""
-    plan = plan_path(path, device, dtype, gs)
+    plan = plan_path(path, device, dtype, gs, batch_invariant)
     engine = path_engine(plan, model)
     try:
         return drive_path(engine, plan, gs)
@@ -80,14 +81,14 @@ def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, g
 
 
 def run_paths_tp(paths: List[ParityPath], model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet,
-                 tp: int) -> Dict[str, tuple]:
+                 tp: int, batch_invariant: bool = False) -> Dict[str, tuple]:
     """Every path on tp ranks (processes, harness.tp) in one launch, an engine per path and group; rank 0's logits
     are compared. path name -> (stats, outputs, margins) as run_path gives them."""
     from harness.tp import TPRun, tp_generate_many
 
     runs, owners = [], []
     for path in paths:
-        plan = plan_path(path, device, dtype, gs)
+        plan = plan_path(path, device, dtype, gs, batch_invariant)
         for group, args in zip(plan.groups, plan.args):
             runs.append(TPRun(str(as_model(model).folder), [plan.prompts[i] for i in group],
                               [plan.params[i] for i in group],
@@ -142,10 +143,11 @@ def select_prompts(gs: G.GoldenSet, prompt: str | None) -> List[int]:
 
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
-               prompt: str | None = None, obtained_root: Path = OBTAINED_DIR) -> ParityResult:
+               prompt: str | None = None, obtained_root: Path = OBTAINED_DIR,
+               batch_invariant: bool = False) -> ParityResult:
     """Every path against the golden (under golden_root, default: the model's), or only its prompt `prompt`; on the
     first failing path the engine's result is written under obtained_root (build/parity/), and the first failure is
-    shown (harness.parity.failure)."""
+    shown (harness.parity.failure). batch_invariant: the engines in that mode (EngineConfig.batch_invariant)."""
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
     indices = select_prompts(full, prompt)
@@ -153,21 +155,25 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model.name, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
-                          spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None)
+                          spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None,
+                          batch_invariant=batch_invariant)
     result.model_args = model.args + model.golden_args
-    folder = obtained_root / model.name / f"{device.split(':')[0]}-{dtype}"
+    folder = obtained_root / model.name / (f"{device.split(':')[0]}-{dtype}" + result.mode_suffix)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     clock = progress.Stopwatch()
-    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp) if tp > 1 else {}  # the first path's line times all
+    # the first path's line times all ranks' runs
+    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp, batch_invariant) if tp > 1 else {}
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
-        stats, outputs, margins = by_tp[path.name] if tp > 1 else run_path(path, model, device, dtype, gs)
+        stats, outputs, margins = by_tp[path.name] if tp > 1 else \
+            run_path(path, model, device, dtype, gs, batch_invariant)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
                                         margins if is_moe else None, result.router_tie or 0.0, indices)
         path_result.seconds = clock.lap()
         passed = path_result.passed and all(p.passed for p in prompts)
-        progress.line("parity", f"{model.name} {device} {dtype} {path.name}", "PASS" if passed else "FAIL",
+        progress.line("parity", f"{model.name} {device} {dtype}{result.mode_suffix} {path.name}",
+                      "PASS" if passed else "FAIL",
                       path_result.seconds)
         result.prompts += prompts
         result.paths.append(path_result)
@@ -192,6 +198,8 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
     if cuda and args.tp > torch.cuda.device_count():
         raise UserError(f"--tp {args.tp}: each rank needs a GPU and this machine has {torch.cuda.device_count()}; "
                         f"give --tp {torch.cuda.device_count()} or fewer")
+    if cuda and args.batch_invariant:
+        raise UserError("--batch-invariant: the engine's batch-invariant mode runs on the CPU only; use --device cpu")
     gpu_only = [p.name for p in PATHS if p.name in (args.path or []) and not p.applies_to(args.device, is_moe=True)]
     if gpu_only:
         raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
@@ -222,7 +230,8 @@ def command(args: argparse.Namespace) -> int:
     failed, suites = False, []
     for model in models:
         for dtype in dtypes:
-            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt)
+            result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt,
+                                batch_invariant=args.batch_invariant)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
             suites.append(junit.parity_suite(result))
