@@ -49,8 +49,8 @@ class FuzzOptions:
     seed: int = 0
     budget: float = 60.0
     planted: str | None = None
-    batch_invariant: bool | None = None  # every configuration in batch-invariant mode, none, or drawn (None)
     folder: Path = FUZZ_DIR  # hypothesis/ (the example database) and cases/ (failures as JSON) under it
+    batch_invariant: bool | None = None  # every configuration in batch-invariant mode, none, or drawn (None)
 
 
 @dataclass

@@ -131,8 +131,8 @@ class FuzzCheck(WholeRunCheck):
         self.evaluator = self.evaluator or Evaluator(self.model, self.device)
         self.evaluator.host.close()  # no engine built outside this probe's fault
         try:
-            result = fuzz(FuzzOptions(self.model, self.device, None, self.seed, self.budget, None,
-                                      Path(self._folder.name)), self.evaluator)
+            result = fuzz(FuzzOptions(self.model, self.device, seed=self.seed, budget=self.budget,
+                                      folder=Path(self._folder.name)), self.evaluator)
         finally:
             self.evaluator.host.close()
         self._cases.append(sum(p.cases for p in result.phases))
