@@ -234,3 +234,19 @@ def test_parity_passes_on_every_path_in_the_mode(engines, tmp_path):
     result = run_parity("tiny-qwen3-moe", "cpu", "float32", batch_invariant=True, obtained_root=tmp_path)
     assert result.passed, result.failure
     assert {p.path for p in result.paths} >= {"batch", "single", "paged", "prefix", "continuous", "chunked", "free"}
+
+
+# ---------------------------------------------------------------------------------------------- the bench's measure
+def test_the_bench_sees_the_default_modes_variance_and_none_in_the_mode(engines):
+    """bench --batch-invariant's measure (harness.bench.invariance.batch_variance) on a small batch of its prompts."""
+    from transformers import AutoTokenizer
+
+    from harness.bench.invariance import batch_variance, real_prompts
+
+    prompts = real_prompts(AutoTokenizer.from_pretrained(zoo.prepare("smollm2-135m")))
+    assert len(prompts) == 32 and all(32 <= len(p) <= 96 for p in prompts) and len({tuple(p) for p in prompts}) == 32
+    default = batch_variance(Driver(engines.get("tiny-qwen3", max_running_req=8)), prompts[:8], 4)
+    invariant = batch_variance(Driver(engines.get("tiny-qwen3", batch_invariant=True, max_running_req=8)),
+                               prompts[:8], 4)
+    assert default["positions_differing"] > 0, default
+    assert (invariant["requests_changed"], invariant["positions_differing"]) == (0, 0), invariant

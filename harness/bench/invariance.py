@@ -26,7 +26,7 @@ from engine import Engine, EngineConfig
 from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
-from harness.bench.limits import measure_limits, model_cost
+from harness.bench.limits import Limits, measure_limits, model_cost
 from harness.bench.workloads import SPECS, BenchSpec, engine_offline, engine_prefill, offline_workload
 from harness.driver import Driver
 from harness.models import ModelRef, as_model, resolve_models
@@ -77,36 +77,35 @@ def batch_variance(driver: Driver, prompts: List[List[int]], tokens: int) -> Dic
             "positions": len(together), "positions_differing": positions}
 
 
-def _cost_rows(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, mode: str) -> List[Dict[str, Any]]:
-    from harness.bench.run import _decode_rows, _engine, _offline_row, _row
+def _cost_rows(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, limits: Limits,
+               mode: str) -> List[Dict[str, Any]]:
+    from harness.bench.run import _decode_rows, _engine, _offline_row, _progress, _row
 
     clock = progress.Stopwatch()
     engine = _engine(ref, device, dtype, spec, graphs=True, batch_invariant=MODES[mode])
-    limits = measure_limits(torch.device(device), getattr(torch, dtype))
     cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
     driver, rows = Driver(engine), []
     decode_bs, lengths = COST[device.split(":")[0]]
     try:
         for bs in decode_bs:
-            rows.append(_decode_rows(ref.name, mode, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)[0])
+            row = _decode_rows(ref.name, mode, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)[0]
+            rows.append(_progress(row, clock))
         for n in lengths:
             secs = [r.seconds for r in engine_prefill(driver, n, vocab, spec.repeats)]
-            rows.append(_row(ref.name, mode, "prefill", 1, n, secs, n, cost, limits, (n, 0, n * (n + 1) // 2, 1)))
+            rows.append(_progress(_row(ref.name, mode, "prefill", 1, n, secs, n, cost, limits,
+                                       (n, 0, n * (n + 1) // 2, 1)), clock))
         run = engine_offline(driver, *offline_workload(*spec.offline))
-        rows.append(_offline_row(ref.name, mode, "offline", run, cost, limits))
+        rows.append(_progress(_offline_row(ref.name, mode, "offline", run, cost, limits), clock))
     finally:
         engine.shutdown()
-    for row in rows:
-        progress.line("bench", f"{ref.name} {mode} {row['workload']} bs {row['batch_size']} len {row['length']}",
-                      f"{1e3 * row['median_s']:.4g} ms", clock.lap())
     return rows
 
 
-def _rounds(ref: ModelRef, device: str, dtype: str, spec: BenchSpec) -> List[List[Dict[str, Any]]]:
+def _rounds(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, limits: Limits) -> List[List[Dict[str, Any]]]:
     """Each row's measurements over the rounds, in the order default, invariant, invariant, default."""
     by_key: Dict[tuple, List[Dict[str, Any]]] = {}
     for mode in ("default", "batch-invariant", "batch-invariant", "default"):
-        for row in _cost_rows(ref, device, dtype, spec, mode):
+        for row in _cost_rows(ref, device, dtype, spec, limits, mode):
             by_key.setdefault((row["runner"], row["workload"], row["batch_size"], row["length"]), []).append(row)
     return list(by_key.values())
 
@@ -179,7 +178,8 @@ def command(args: argparse.Namespace) -> int:
     models = resolve_models(args, ["smollm2-135m"], weights=False, tokenizer=False, verb="bench")
     kind = device.split(":")[0]
     spec, dtype = SPECS[kind], {"cpu": "float32", "cuda": "bfloat16"}[kind]
-    rows = [_faster(rounds) for ref in models for rounds in _rounds(ref, device, dtype, spec)]
+    limits = measure_limits(torch.device(device), getattr(torch, dtype))
+    rows = [_faster(rounds) for ref in models for rounds in _rounds(ref, device, dtype, spec, limits)]
     variance = _variance(device, dtype)
     result = {"device": device, "dtype": dtype, "spec": vars(spec), "rows": rows, "ratios": _ratios(rows),
               "variance": variance, "provenance": provenance(device, dtype=dtype)}
