@@ -215,7 +215,6 @@ class Driver:
         self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.decode_chunk_tokens = decode_chunk_tokens
-        self.fixed_chunks = engine.config.batch_invariant  # a prompt's chunks never follow whether others decode
         self._after_chunk = False  # the last step carried a chunk that was not its prompt's last: decodes go next
         self._waiting_logged: int | None = None  # the uid whose wait for pages was logged last
         self.overlap = overlap
@@ -384,7 +383,8 @@ class Driver:
         start, prompt_len = r.req.cached_len, len(r.result.prompt_ids)
         end = r.prefix_len if start < r.prefix_len < prompt_len else prompt_len
         limit = budget
-        if (decoding or self.fixed_chunks) and prompt_len > self.max_prefill_tokens:
+        # batch-invariant mode: a prompt's chunks never follow whether others decode
+        if (decoding or self.engine.config.batch_invariant) and prompt_len > self.max_prefill_tokens:
             limit = min(limit, self.decode_chunk_tokens)
         end = min(end, start + limit)
         if end == prompt_len:

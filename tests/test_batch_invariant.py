@@ -9,9 +9,8 @@ default mode fails the same comparison (so it is not vacuous); the mode's plante
 
 from __future__ import annotations
 
-import hashlib
 import random
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from engine.engine import _invariant_backends
 from harness import zoo
+from harness.bench.invariance import batch_variance, real_prompts
 from harness.driver import Driver
 from harness.fuzz.faults import planted
 from harness.fuzz.invariants import Evaluator
@@ -30,7 +30,6 @@ from harness.fuzz.report import failure_text
 from harness.fuzz.search import FuzzOptions, fuzz
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (512, 256), (256, 512), (192, 576), (49152, 256)]  # the zoo's
-Digests = Dict[Tuple[int, int], bytes]
 
 
 class threads:
@@ -119,31 +118,12 @@ def engines():
     e.close()
 
 
-def run(engine: Engine, prompts: List[List[int]], params: List[SamplingParams], prefix_lens: List[int] | None = None,
-        **driver) -> Tuple[Digests, List[List[int]]]:
-    """Every prompt and decode position's log-probabilities (digests) and the tokens."""
-    digests: Digests = {}
-
-    def hook(uid: int, start: int, lp: torch.Tensor) -> None:
-        for i in range(lp.shape[0]):
-            digests[(uid, start + i)] = hashlib.sha1(lp[i].numpy().tobytes()).digest()
-
-    res = Driver(engine, **driver).generate(prompts, params, prefix_lens=prefix_lens, on_logits=hook)
-    return digests, [r.output_ids for r in res]
-
-
 def differences(engine: Engine, prompts, params, prefix_lens=None, **driver) -> Tuple[int, int, List[int]]:
-    """(positions whose log-probabilities differ from the request alone, positions, requests whose tokens differ)."""
-    together, tokens = run(engine, prompts, params, prefix_lens, **driver)
-    differ, other_tokens = 0, []
-    for i, prompt in enumerate(prompts):
-        alone, alone_tokens = run(engine, [prompt], [params[i]], None if prefix_lens is None else [prefix_lens[i]],
-                                  **driver)
-        assert {p for u, p in together if u == i} == {p for _, p in alone}
-        differ += sum(together[(i, p)] != d for (_, p), d in alone.items())
-        if alone_tokens[0] != tokens[i]:
-            other_tokens.append(i)
-    return differ, len(together), other_tokens
+    """(positions whose log-probabilities differ from the request alone, positions, requests whose tokens differ),
+    by bench --batch-invariant's measure; every position is computed both in the batch and alone."""
+    measured = batch_variance(Driver(engine, **driver), prompts, params, prefix_lens)
+    assert measured["positions_unmatched"] == 0, measured
+    return measured["positions_differing"], measured["positions"], measured["changed"]
 
 
 def _params(rng: random.Random) -> SamplingParams:
@@ -241,12 +221,11 @@ def test_the_bench_sees_the_default_modes_variance_and_none_in_the_mode(engines)
     """bench --batch-invariant's measure (harness.bench.invariance.batch_variance) on a small batch of its prompts."""
     from transformers import AutoTokenizer
 
-    from harness.bench.invariance import batch_variance, real_prompts
-
     prompts = real_prompts(AutoTokenizer.from_pretrained(zoo.prepare("smollm2-135m")))
     assert len(prompts) == 32 and all(32 <= len(p) <= 96 for p in prompts) and len({tuple(p) for p in prompts}) == 32
-    default = batch_variance(Driver(engines.get("tiny-qwen3", max_running_req=8)), prompts[:8], 4)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    default = batch_variance(Driver(engines.get("tiny-qwen3", max_running_req=8)), prompts[:8], params)
     invariant = batch_variance(Driver(engines.get("tiny-qwen3", batch_invariant=True, max_running_req=8)),
-                               prompts[:8], 4)
+                               prompts[:8], params)
     assert default["positions_differing"] > 0, default
     assert (invariant["requests_changed"], invariant["positions_differing"]) == (0, 0), invariant

@@ -47,6 +47,13 @@ class PerRequestMetadata(BaseAttnMetadata):
     kv_slots: torch.Tensor  # [sum of Lk] int64: every request's key slots, one after another (one gather a layer)
 
 
+def visible(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether the key at kpos is visible to the query at qpos (broadcast): HF's causal rule, and on a sliding layer
+    the query's own key and window - 1 before it."""
+    mask = kpos <= qpos
+    return mask if window is None else mask & (qpos - kpos < window)
+
+
 class TorchBackend(AttentionBackend):
     def __init__(self, config: ModelConfig, per_request: bool = False) -> None:
         self.windows = layer_windows(config)
@@ -71,10 +78,9 @@ class TorchBackend(AttentionBackend):
         kv_valid = kpos[None, :] < kv_len[:, None]  # [B, Lk]
         q_valid = qi[None, :] < ext[:, None]  # [B, Lq]
         qpos = cached[:, None] + qi[None, :]  # [B, Lq]
-        causal = (kpos[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :]
         masks = {}
         for window in set(self.windows):
-            mask = causal if window is None else causal & (qpos[:, :, None] - kpos[None, None, :] < window)
+            mask = visible(qpos[:, :, None], kpos[None, None, :], window) & kv_valid[:, None, :]
             mask = mask | (~q_valid[:, :, None] & (kpos == 0))  # padded queries see key 0 so softmax stays finite
             masks[window] = mask.unsqueeze(1).to(device)
         page_table = ctx.page_table[rows.to(device), :lk].long()
@@ -97,9 +103,7 @@ class TorchBackend(AttentionBackend):
             kpos = torch.arange(lk)[None, :]
             masks = {}
             for window in set(self.windows):
-                mask = kpos <= qpos
-                if window is not None:
-                    mask &= qpos - kpos < window
+                mask = visible(qpos, kpos, window)
                 masks[window] = None if bool(mask.all()) else mask[None, None].to(page_table.device)
             requests.append(RequestAttn(cu[-2], cu[-1], kv_cu[-2], kv_cu[-1], masks))
             slots.append(page_table[r.table_idx, :lk])

@@ -14,7 +14,6 @@ Writes build/reports/bench/<device>/batch-invariant/ (reports/... with --update-
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Dict, List
@@ -29,6 +28,7 @@ from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
 from harness.bench.limits import Limits, measure_limits, model_cost
 from harness.bench.workloads import SPECS, BenchSpec, engine_offline, engine_prefill, offline_workload
 from harness.driver import Driver
+from harness.fuzz.runs import digest
 from harness.models import ModelRef, as_model, resolve_models
 from harness.report import REPO_ROOT, markdown_table, provenance, provenance_markdown, report_root, text_table, \
     write_json, written_to
@@ -38,6 +38,7 @@ VARIANCE_MODEL = "smollm2-135m"
 VARIANCE_PROMPTS = 32
 VARIANCE_TOKENS = 64
 MODES = {"default": False, "batch-invariant": True}
+REPORTED = ("requests", "requests_changed", "share_changed", "positions", "positions_differing")
 # the workloads compared, per device: decode batch sizes, prefill lengths (the offline workload is the spec's)
 COST = {"cpu": ([1, 16], [128, 512]), "cuda": ([1, 64, 256], [512, 4096])}
 
@@ -53,28 +54,35 @@ def real_prompts(tokenizer: Any, n: int = VARIANCE_PROMPTS) -> List[List[int]]:
     return [ids[s: s + k] for s, k in zip(starts.tolist(), lengths.tolist())]
 
 
-def batch_variance(driver: Driver, prompts: List[List[int]], tokens: int) -> Dict[str, Any]:
-    """The prompts together and each alone, greedy: how many requests' tokens and positions' log-probabilities
-    differ."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+def batch_variance(driver: Driver, prompts: List[List[int]], params: SamplingParams | List[SamplingParams],
+                   prefix_lens: List[int] | None = None) -> Dict[str, Any]:
+    """The prompts together and each alone (with its own params and cached-prefix split): the requests whose tokens
+    differ, how many positions' log-probabilities are not bitwise equal, and how many positions one run computed and
+    the other did not (none, unless the driver's steps follow the batch)."""
+    plist = list(params) if isinstance(params, list) else [params] * len(prompts)
 
-    def run(ps: List[List[int]]) -> tuple:
+    def run(ps: List[List[int]], pp: List[SamplingParams], prefixes: List[int] | None) -> tuple:
         digests: Dict[tuple, bytes] = {}
 
         def hook(uid: int, start: int, lp: torch.Tensor) -> None:
             for i in range(lp.shape[0]):
-                digests[(uid, start + i)] = hashlib.sha1(lp[i].cpu().numpy().tobytes()).digest()
+                digests[(uid, start + i)] = digest(lp[i])
 
-        return digests, [r.output_ids for r in driver.generate(ps, params, on_logits=hook)]
+        results = driver.generate(ps, pp, prefix_lens=prefixes, on_logits=hook)
+        return digests, [r.output_ids for r in results]
 
-    together, outputs = run(prompts)
-    requests = positions = 0
+    together, outputs = run(prompts, plist, prefix_lens)
+    changed, positions, unmatched = [], 0, 0
     for i, prompt in enumerate(prompts):
-        alone, alone_out = run([prompt])
-        requests += alone_out[0] != outputs[i]
-        positions += sum(together[(i, pos)] != d for (_, pos), d in alone.items())
-    return {"requests": len(prompts), "requests_changed": requests, "share_changed": requests / len(prompts),
-            "positions": len(together), "positions_differing": positions}
+        alone, alone_out = run([prompt], [plist[i]], None if prefix_lens is None else [prefix_lens[i]])
+        if alone_out[0] != outputs[i]:
+            changed.append(i)
+        mine = {pos for uid, pos in together if uid == i}
+        unmatched += len(mine ^ {pos for _, pos in alone})
+        positions += sum(together[(i, pos)] != d for (_, pos), d in alone.items() if pos in mine)
+    return {"requests": len(prompts), "requests_changed": len(changed), "share_changed": len(changed) / len(prompts),
+            "positions": len(together), "positions_differing": positions, "positions_unmatched": unmatched,
+            "changed": changed}
 
 
 def _cost_rows(ref: ModelRef, device: str, dtype: str, spec: BenchSpec, limits: Limits,
@@ -126,7 +134,9 @@ def _variance(device: str, dtype: str) -> List[Dict[str, Any]]:
                                      dtype=getattr(torch, dtype), max_running_req=VARIANCE_PROMPTS,
                                      max_seq_len_override=256, batch_invariant=invariant))
         try:
-            row = dict(model=ref.name, mode=mode, **batch_variance(Driver(engine), prompts, VARIANCE_TOKENS))
+            params = SamplingParams(max_tokens=VARIANCE_TOKENS, ignore_eos=True)
+            measured = batch_variance(Driver(engine), prompts, params)
+            row = dict(model=ref.name, mode=mode, **{k: measured[k] for k in REPORTED})
         finally:
             engine.shutdown()
         progress.line("bench", f"{ref.name} {mode} batch variance", f"{row['requests_changed']}/{row['requests']} "
