@@ -11,19 +11,20 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
 
-from engine.moe.base import router_margin
-from engine.utils.device import physical_cores
 from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress
+from harness import golden_reference
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, compare_row
+from harness.hf_runs import at_threads, hf_model, router_margins, spread_summary, spread_threads  # hf_model re-exported
 # with the names only callers use (ARRAYS, IDENTITY_KEYS, GoldenError, check_identity, load, regenerate_command)
 from harness.golden_files import (ARRAYS, IDENTITY_KEYS, GoldenError, GoldenSet, PromptGolden, check_identity,
-                                  expected_identity, golden_dir, load, load_checked, regenerate_command, save)
+                                  expected_identity, golden_dir, load, load_checked, reference_command,
+                                  regenerate_command, save)
 from harness.models import GOLDEN_DIR, ModelRef, add_model_arguments, as_model, resolve_models
 from harness.report import provenance
 
@@ -40,13 +41,6 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return top.indices.int().cpu().numpy(), top.values.cpu().numpy()
 
 
-def hf_model(model: ModelRef | str, device: str, dtype: torch.dtype, attn: str = "sdpa") -> Any:
-    from transformers import AutoModelForCausalLM
-
-    folder = as_model(model).folder
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).to(device).eval()
-
-
 SPREAD_DEFINITION = ("per position of prompt + continuation, HF against itself: sdpa at the golden's thread count "
                      "against eager attention and, on the CPU, sdpa and eager at 1, 2 and all cores' threads (each "
                      "variant on sdpa's top-K ids, the measure parity applies to the engine; a position's value is "
@@ -58,21 +52,6 @@ ROUTED_DEFINITION = ("mixture-of-experts models: the same distribution over the 
                      "ties per prompt, by position")
 
 
-def spread_summary(errs: Sequence[float], kls: Sequence[float]) -> Dict[str, Any]:
-    """Distribution of per-position errors and KLs: the statistics parity's half-precision gate compares."""
-    e, k = np.asarray(errs, dtype=np.float64), np.asarray(kls, dtype=np.float64)
-    return {"positions": int(e.size), **{f"{name}_{q}": float(np.quantile(x, v)) for name, x in (("err", e), ("kl", k))
-                                         for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
-            "err_max": float(e.max()), "err_mean": float(e.mean()), "kl_max": float(k.max()),
-            "kl_mean": float(k.mean())}
-
-
-def router_margins(out: Any, n: int, top_k: int) -> np.ndarray:
-    """[n]: each position's smallest router margin over the MoE layers of an HF forward run with
-    output_router_logits."""
-    return torch.stack([router_margin(r.reshape(n, -1), top_k) for r in out.router_logits]).amin(0).cpu().numpy()
-
-
 @dataclass
 class Spread:
     """HF against itself. stats: over every position; for MoE models routed: over the positions where neither run
@@ -81,22 +60,6 @@ class Spread:
     routed: Dict[str, Any] | None = None
     near_ties: List[List[int]] | None = None
     threads: List[int] | None = None  # the CPU thread counts covered
-
-
-def spread_threads(device: str) -> List[int | None]:
-    """The thread counts HF's spread covers: on the CPU 1, 2 and all cores (a user's run may use any of them, and a
-    product's bits follow its split across threads); None on a GPU (the current setting)."""
-    return [None] if device.split(":")[0] != "cpu" else sorted({1, min(2, physical_cores()), physical_cores()})
-
-
-def _at_threads(model: Any, threads: int | None, full: torch.Tensor, kw: Dict[str, Any]) -> Any:
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        return model(full, **kw)
-    finally:
-        torch.set_num_threads(before)
 
 
 def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str, router_tie: float | None = None) -> Spread:
@@ -118,7 +81,7 @@ def hf_spread(sdpa: Any, eager: Any, sequences: List[List[int]], device: str, ro
         ta = None if router_tie is None else router_margins(oa, len(seq), sdpa.config.num_experts_per_tok) <= router_tie
         tb = np.zeros(len(seq), dtype=bool)
         for model, threads in variants:
-            ob = _at_threads(model, threads, full, kw)
+            ob = at_threads(model, threads, full, kw)
             b = torch.log_softmax(ob.logits[0].float(), -1).cpu()
             for pos in range(len(seq)):
                 st = compare_row(b[pos], ids[pos].numpy(), a[pos, ids[pos]].numpy())
@@ -189,11 +152,15 @@ def make_golden(model: ModelRef | str, device: str = "cpu", dtype: torch.dtype =
     spread = hf_spread(hf, hf_eager, _sequences(out), device, _router_tie(hf, dtype))
     dtype_name = str(dtype).removeprefix("torch.")
     experts = getattr(hf.config, "_experts_implementation", None) if hasattr(hf.config, "num_experts_per_tok") else None
+    del hf, hf_eager  # before the float64 reference loads its own copies
     prov = provenance(device, **expected_identity(ref, device.split(":")[0], dtype_name, pset),
                       top_k=TOP_K, new_tokens=NEW_TOKENS, attention="sdpa", prompt_source=pset.source,
                       prompt_set=pset.prompts, **_spread_provenance(spread, [p.name for p in out]),
                       **({"experts_implementation": experts} if experts else {}))
-    return GoldenSet(out, prov)
+    gs = GoldenSet(out, prov)
+    kind = device.split(":")[0]
+    reference = golden_reference.measure(ref, gs, variants=kind == "cpu")
+    return golden_reference.attach(gs, reference, reference_command(ref, kind, dtype_name))
 
 
 def _check_lengths(ref: ModelRef, pset: P.PromptSet, ids: List[List[int]]) -> None:
@@ -254,15 +221,18 @@ def drift(committed: GoldenSet, fresh: GoldenSet) -> Dict[str, Any]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    check_device(args.device)
+    if not args.add_reference:  # the float64 reference runs on the CPU, for a GPU's golden too
+        check_device(args.device)
     kind, dtype = args.device.split(":")[0], getattr(torch, args.dtype)
     refs = resolve_models(args, GOLDEN_MODELS, verb="golden")
     given = P.read_file(args.prompts) if args.prompts else None
-    if given is not None and args.refresh_spread:
-        raise UserError("--refresh-spread measures on the golden's own sequences; leave --prompts out")
+    for flag, on in (("--refresh-spread", args.refresh_spread), ("--add-reference", args.add_reference)):
+        if given is not None and on:
+            raise UserError(f"{flag} measures on the golden's own sequences; leave --prompts out")
     # the goldens --check and --refresh-spread start from, refused (missing, stale) before HF runs
-    committed = {r.name: load_checked(r, kind, args.dtype, prompts=given) for r in refs
-                 if args.check or args.refresh_spread}
+    committed = {r.name: load_checked(r, kind, args.dtype, prompts=given) if kind == "cpu" or not args.add_reference
+                 else load(golden_dir(r, kind, args.dtype)) for r in refs
+                 if args.check or args.refresh_spread or args.add_reference}
     status = EXIT_PASS
     for ref in refs:
         folder, clock = golden_dir(ref, kind, args.dtype), progress.Stopwatch()
@@ -277,6 +247,13 @@ def _cmd(args: argparse.Namespace) -> int:
                           f"{st['kl_p99']:.3g}")
             print(f"  written to {folder / 'provenance.json'}")
             continue
+        if args.add_reference:
+            reference = golden_reference.add_reference(ref, kind, args.dtype, root=ref.golden_root)
+            progress.line("golden", f"{what} float64 reference", "done", clock.lap())
+            print(f"{ref.name}: HF to float64 not measured: {reference.unmeasured}" if reference.unmeasured else
+                  _reference_line(ref.name, reference.stats, committed[ref.name].provenance))
+            print(f"  written to {folder} (golden.npz: reference_err, reference_kl; provenance.json: hf_reference)")
+            continue
         pset = given or (P.expected_set(committed[ref.name].provenance, ref) if args.check else None)
         fresh = make_golden(ref, args.device, dtype, pset)
         if args.check:
@@ -289,8 +266,17 @@ def _cmd(args: argparse.Namespace) -> int:
         else:
             save(fresh, folder)
             progress.line("golden", what, "wrote", clock.lap())
-            print(f"wrote {folder} (HF spread {fresh.provenance['hf_spread_max_abs_logprob']:.2e})")
+            far = fresh.provenance.get("hf_reference")
+            print(f"wrote {folder} (HF spread {fresh.provenance['hf_spread_max_abs_logprob']:.2e}, HF to float64 " +
+                  (f"{far['err_max']:.2e})" if far else f"not measured: {fresh.provenance['hf_reference_unmeasured']})"))
     return status
+
+
+def _reference_line(name: str, stats: Dict[str, Any], prov: Dict[str, Any]) -> str:
+    spread = prov.get("hf_spread") or {"err_max": prov["hf_spread_max_abs_logprob"]}
+    return (f"{name}: HF to float64 over {stats['positions']} positions: err p99 {stats['err_p99']:.3g}, max "
+            f"{stats['err_max']:.3g}; KL mean {stats['kl_mean']:.3g} (HF's kernel spread: err max "
+            f"{spread['err_max']:.3g})")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -308,4 +294,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--refresh-spread", action="store_true",
                       help="measure HF's sdpa-vs-eager spread again on the committed golden's sequences and rewrite "
                            "only its provenance (the arrays stay)")
+    what.add_argument("--add-reference", action="store_true",
+                      help="measure HF's distance to float64 arithmetic (HF float64 on the CPU) at every position of "
+                           "an existing golden and add it, the golden's arrays and provenance otherwise kept: what "
+                           "parity's tolerance needs of a golden made before it")
     p.set_defaults(func=_cmd)

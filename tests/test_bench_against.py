@@ -19,9 +19,10 @@ from harness.bench.against import AgainstSpec, Side, _setup, compare_rows, measu
 from harness.report import REPO_ROOT
 
 SLEEP_S = 0.1  # planted per forward: large against a tiny model's step, even on a loaded host
-# a sleep never returns early, and the steps after one measured more than it: 0.099-0.111 s added for 0.1 planted on
-# idle and loaded 2-core hosts (CI's among them); the added time must come out in [0.95, 1.25] x SLEEP_S
-ADDED_RANGE = (0.95 * SLEEP_S, 1.25 * SLEEP_S)
+# a sleep never returns early, so the A/B must find at least the time planted (0.95 x SLEEP_S: the pairs' median
+# difference also carries the two sides' own step noise); above it, a busy host adds its scheduling (0.13 s added for
+# 0.1 planted beside a package install on 2 cores), which says nothing of the A/B and is not bounded
+ADDED_AT_LEAST = 0.95 * SLEEP_S
 BIAS_S = 0.05  # the per-process bias: several times a tiny model's CPU step
 # confidence 0.999: the identical pair's false-alarm rate is 0.1% per workload
 SPEC = AgainstSpec(decode_bs=(1,), decode_ctx=16, decode_steps=4, prefill_lengths=(16,), repeats=6, confidence=0.999)
@@ -70,7 +71,7 @@ def test_identical_engines_agree_and_a_planted_sleep_is_slower():
               f"planted {slow['ratio']:.3f} [{slow['ci_low']:.3f}, {slow['ci_high']:.3f}], added {added:.4f} s")
         assert same["verdict"] == "no difference" and same["ci_low"] <= 1 <= same["ci_high"]
         assert slow["verdict"] == "slower"
-        assert ADDED_RANGE[0] <= added <= ADDED_RANGE[1]
+        assert added >= ADDED_AT_LEAST
 
 
 def test_a_bias_of_each_process_is_noise_over_rounds():

@@ -124,3 +124,17 @@ def test_sampling_with_a_real_model_this_machine_cannot_get(capsys, monkeypatch,
     monkeypatch.setattr("harness.sampling.run.run_grid", lambda *a, **k: pytest.fail("the grid started"))
     assert main(["sampling", "--real-model", "gemma3-270m"]) == 2
     one_error_line(capsys, "could not download", "gemma3-270m", "ENGINE_ZOO_GEMMA3_GGUF", "--no-real")
+
+
+@pytest.mark.parametrize("what", ["missing", "bad checksum"])
+@pytest.mark.parametrize("model, env", [("smollm2-135m", "ENGINE_ZOO_GGUF"), ("gemma3-270m", "ENGINE_ZOO_GEMMA3_GGUF")])
+def test_a_local_gguf_that_is_missing_or_corrupt_is_one_line(capsys, monkeypatch, tmp_path, what, model, env):
+    """The zoo's GGUF given by its environment variable: a path that is no file, or a file whose sha256 is not the
+    model's, ends in one line naming the variable (exit status 2), not a traceback."""
+    gguf = tmp_path / "model.gguf"
+    if what == "bad checksum":
+        gguf.write_bytes(b"GGUF, but not this model's")
+    monkeypatch.setenv("ENGINE_ZOO_DIR", str(tmp_path / "zoo"))
+    monkeypatch.setenv(env, str(gguf))
+    assert main(["models", "prepare", model]) == 2
+    one_error_line(capsys, env, *(["is not a file"] if what == "missing" else ["has sha256", "corrupt"]))

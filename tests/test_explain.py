@@ -67,8 +67,8 @@ def test_a_failure_says_where_and_why(capsys):
     assert re.search(r"golden top-5: ('.*' -?[\d.e-]+  ){4}'.*' -?[\d.e-]+\n", block), block
     assert re.search(r"engine top-5: ('.*' -?[\d.e-]+  ){4}'.*' -?[\d.e-]+\n", block), block
     assert re.search(r"failed: largest logprob err [\d.e-]+ .* vs tol [\d.e-]+", block), block
-    assert ("re-run only this prompt and path: python -m harness parity --model tiny-qwen3 --device cpu --dtype "
-            "float32 --path batch --prompt 1") in block
+    assert ("re-run this path, judging only this prompt (run in the same company): python -m harness parity --model "
+            "tiny-qwen3 --device cpu --dtype float32 --path batch --prompt 1") in block
     assert "build/parity/tiny-qwen3/cpu-float32/golden.obtained.npz" in block
     assert lines[-1] == "first diverging layer: 1 (mlp)", out
 

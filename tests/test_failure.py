@@ -84,5 +84,18 @@ def test_the_block_decodes_the_text_and_both_top_5_and_gives_the_rerun_command()
     assert shown == repr(tok.decode([int(t) for t in pg.prompt_ids[-22:]] + [int(t) for t in pg.tokens[:2]]))
     top = "  ".join(f"{tok.decode([int(i)])!r} {lp:.4g}" for i, lp in zip(pg.decode_ids[2][:5], pg.decode_lp[2][:5]))
     assert block[2] == f"  golden top-5: {top}" and block[3] == f"  engine top-5: {top}"
-    assert block[5] == ("  re-run only this prompt and path: python -m harness parity --model tiny-qwen3 --device cpu "
-                        "--dtype float32 --path batch --prompt 3")
+    assert block[5] == ("  re-run this path, judging only this prompt (run in the same company): python -m harness "
+                        "parity --model tiny-qwen3 --device cpu --dtype float32 --path batch --prompt 3")
+
+
+def test_a_re_run_of_one_prompt_judges_it_in_the_company_it_was_judged_in():
+    """--prompt I runs the path's whole set and judges only prompt I: its statistics are bitwise the full run's (alone
+    in its batch it would have other GEMM shapes, and rounding, than in the run that failed)."""
+    from harness.parity.run import run_parity
+
+    full = run_parity("tiny-qwen3", paths=["batch"])
+    alone = run_parity("tiny-qwen3", paths=["batch"], prompt="2")
+    assert [p.index for p in alone.prompts] == [2]
+    ours, theirs = alone.prompts[0], full.prompts[2]
+    assert (ours.max_err_prefill, ours.max_err_decode, ours.max_kl) == (
+        theirs.max_err_prefill, theirs.max_err_decode, theirs.max_kl)

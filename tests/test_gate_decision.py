@@ -23,13 +23,19 @@ OVER, UNDER = 1.01, 0.99
 TOL = 1e-3
 
 
+# HF's distance to float64 when a test does not set it: nothing, so that the kernel spread decides
+NO_DISTANCE = {k: 0.0 for k in gate.SPREAD_KEYS}
+
+
 def golden(prompts: int = 1, **provenance) -> G.GoldenSet:
     """Every row's top-K is tokens 0..K-1 at log-probabilities -0.1, -1.1, ...; the greedy continuation is token 0."""
     ids = np.arange(K, dtype=np.int32)
     lp = -0.1 - np.arange(K, dtype=np.float32)
+    provenance = dict(dict(hf_reference=NO_DISTANCE, hf_reference_routed=NO_DISTANCE, model="m", device_type="cpu"),
+                      **provenance)
     return G.GoldenSet([G.PromptGolden(f"p{i}", np.arange(N, dtype=np.int32) + 100, np.zeros(T, dtype=np.int32),
                                        np.tile(ids, (N, 1)), np.tile(lp, (N, 1)), np.tile(ids, (T, 1)),
-                                       np.tile(lp, (T, 1))) for i in range(prompts)], dict(provenance))
+                                       np.tile(lp, (T, 1))) for i in range(prompts)], provenance)
 
 
 def stat(err: float = 0.0, kl: float = 0.0, argmax: int = 0) -> PositionStat:
@@ -80,6 +86,33 @@ def test_tol_is_spread_factor_times_hf_largest_error_or_the_floor():
     tol = gate.tolerance(gs, "float32")
     assert not evaluate(stats(p3=stat(err=tol * OVER)), gs, tol=tol)[0][0].passed
     assert evaluate(stats(p3=stat(err=tol * UNDER)), gs, tol=tol)[0][0].passed
+
+
+def test_tol_follows_hf_distance_to_float64_where_it_is_larger_than_its_kernel_spread():
+    spread = {"err_max": 1e-4, "err_p99": 1e-5}
+    far = dict(NO_DISTANCE, err_max=3e-3, err_p99=1e-3)
+    assert gate.tolerance(golden(hf_spread=spread, hf_reference=far), "float32") == pytest.approx(
+        gate.SPREAD_FACTOR * 3e-3)
+    near = dict(NO_DISTANCE, err_max=5e-5)
+    assert gate.tolerance(golden(hf_spread=spread, hf_reference=near), "float32") == pytest.approx(
+        gate.SPREAD_FACTOR * 1e-4)
+
+
+def test_the_half_precision_limits_take_each_statistic_from_the_larger_measure():
+    spread = dict(NO_DISTANCE, err_p99=1e-2, kl_mean=1e-3, kl_p99=1e-4)
+    ref = dict(NO_DISTANCE, err_p99=5e-3, kl_mean=2e-3, kl_p99=2e-4)
+    lim = gate.dist_limits(golden(hf_spread=spread, hf_reference=ref), "bfloat16")
+    assert lim == pytest.approx({"err_p99": gate.SOURCES ** 0.5 * 1e-2, "kl_mean": gate.SOURCES * 2e-3,
+                                 "kl_p99": gate.SOURCES * 2e-4})
+
+
+def test_a_golden_without_its_float64_distance_is_refused_with_the_command_that_adds_it():
+    gs = golden(hf_spread={"err_max": 1e-4})
+    del gs.provenance["hf_reference"]
+    gs.reference_command = "python -m harness golden --add-reference --model m --device cpu --dtype float32"
+    with pytest.raises(G.GoldenError, match="no distance of HF to float64 .*add it with: python -m harness golden "
+                                            "--add-reference --model m"):
+        gate.tolerance(gs, "float32")
 
 
 def test_a_moe_model_in_half_precision_takes_tol_from_hf_spread_away_from_router_near_ties():

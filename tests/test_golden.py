@@ -131,3 +131,39 @@ def test_regeneration_rewrites_the_golden(golden_copy):
     fresh = G.load(folder)
     assert G.drift(committed, fresh)["token_mismatches"] == 0
     assert run_parity(MODEL, paths=["batch"], golden_root=golden_copy).passed
+
+
+def _strip_reference(folder) -> dict:
+    """The golden as it was before the float64 reference: its arrays and provenance without it."""
+    gs = G.load(folder)
+    for p in gs.prompts:
+        p.reference_err = p.reference_kl = None
+    for key in [k for k in gs.provenance if k.startswith("hf_reference")]:
+        del gs.provenance[key]
+    G.save(gs, folder)
+    return json.loads((folder / "provenance.json").read_text())
+
+
+def test_a_golden_without_its_float64_reference_is_refused_then_the_command_adds_it(golden_copy, capsys):
+    from harness.__main__ import main
+
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
+    before = _strip_reference(folder)
+    arrays = {k: v.copy() for k, v in np.load(folder / "golden.npz").items()}
+    argv = ["parity", "--model", MODEL, "--golden-dir", str(golden_copy), "--path", "batch", "--no-sampling",
+            "--no-report"]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    command = f"python -m harness golden --add-reference --model {MODEL} --device cpu --dtype float32 --golden-dir " \
+              f"{golden_copy}"
+    assert err.startswith("error: ") and "\n" not in err and err.endswith(command), err
+    assert main(command.split()[3:]) == 0
+    after = json.loads((folder / "provenance.json").read_text())
+    assert {k: v for k, v in after.items() if not k.startswith("hf_reference")} == before, "provenance kept"
+    assert after["hf_reference"]["positions"] == sum(len(p.prompt_ids) + len(p.tokens) - 1
+                                                     for p in G.load(folder).prompts)
+    data = np.load(folder / "golden.npz")
+    assert all(np.array_equal(data[k], v) for k, v in arrays.items()), "the golden's arrays kept"
+    assert {k.split("/")[1] for k in set(data.files) - set(arrays)} == {"reference_err", "reference_kl"}
+    assert main(argv) == 0

@@ -160,10 +160,11 @@ def test_fuzz_probe_sees_a_doubled_decode_scale():
         check.close()
 
 
-def test_resolution_refuses_bf16_parity_on_the_cpu_in_one_line(capsys: pytest.CaptureFixture):
-    assert main(["resolution", "--check", "parity-bf16"]) == 2
+def test_resolution_of_bf16_parity_on_the_cpu_without_a_cpu_bf16_golden_is_one_line(capsys: pytest.CaptureFixture):
+    assert main(["resolution", "--check", "parity-bf16", "--model", "tiny-qwen3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: parity-bf16 compares with the GPU's bf16 goldens") and "\n" not in err
+    assert err.startswith("error: no golden for tiny-qwen3 on cpu in bfloat16") and "\n" not in err, err
+    assert "python -m harness golden --model tiny-qwen3 --device cpu --dtype bfloat16" in err, err
 
 
 def test_resolution_command_writes_under_build_reports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

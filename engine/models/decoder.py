@@ -43,7 +43,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_offset, ops) if config.qk_norm else None
         self.attn = AttentionLayer(layer_id, rotary, ops)
-        self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size, ops)
+        self.o_proj = RowParallelLinear(self.num_qo_heads * d, config.hidden_size, ops, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, d, hq, hkv = x.shape[0], self.head_dim, self.num_qo_heads, self.num_kv_heads
@@ -58,8 +58,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
         inter = div_even(config.intermediate_size, get_tp_info().size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False, ops=ops)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, ops)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=config.mlp_bias, ops=ops)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, ops, bias=config.mlp_bias)
         self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

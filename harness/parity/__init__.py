@@ -34,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--no-report", action="store_true", help="print only; write no report files")
     add_update_flag(where)
     p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
-    p.add_argument("--prompt", help="run only this golden prompt (its index in the golden, or its name); the "
-                                    "sampler's distribution tests are then skipped")
+    p.add_argument("--prompt", help="judge only this golden prompt (its index in the golden, or its name), run in "
+                                    "the company it has on each path (the whole set), so that a failure re-runs as "
+                                    "it failed; the sampler's distribution tests are then skipped")
     p.add_argument("--explain", action="store_true",
                    help="on a failure, run its prompt again with hooks on the engine's and HF's residual stream and "
                         "name the first layer (attention or MLP) where the engine departs beyond HF's own spread")

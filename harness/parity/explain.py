@@ -188,8 +188,9 @@ def format_explanation(e: Explanation) -> str:
                      f"{r.hf_alone:>9.3g}  {r.alone_n:>9.3g}  {r.hf_alone_n:>9.3g}{'  <- diverges' * r.diverges}")
     first = e.first
     lines.append(f"first diverging layer: {first.layer} ({first.half})" if first else
-                 "first diverging layer: none (every layer alone is within HF's spread: look past the layers, at the "
-                 "embedding, the final norm, the LM head, or what differs only under CUDA graphs)")
+                 "first diverging layer: none (every layer alone is within HF's own spread: the layers show no "
+                 "fault; not measured here are the embedding, the final norm and the LM head, what runs only under "
+                 "CUDA graphs, and the prompt's company in its batch: it ran alone here)")
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ def plot_errors(result: ParityResult, path: Path) -> Path:
             err_ax.plot([len(ERR_QUANTILES) - 1], [max(worst, TINY)], marker="o", ls="none", label=name)
     if hf:
         err_ax.plot(range(len(ERR_QUANTILES)), [max(hf[q], TINY) for q in ERR_QUANTILES], color="black", lw=3,
-                    marker="s", label="HF's spread (eager vs sdpa)")
+                    marker="s", label="HF's own spread (its kernels, or to float64)")
         kl_ax.plot(range(len(KL_STATS)), [max(hf[k], TINY) for k in KL_STATS], color="black", lw=3, marker="s")
     else:  # older goldens and fp32 ones record HF's largest error only
         err_ax.plot([len(ERR_QUANTILES) - 1], [max(result.hf_spread, TINY)], color="black", marker="s", ms=9,

@@ -80,10 +80,21 @@ def _hf_line(result: ParityResult) -> str:
     if not s:
         return _router_line(result)
     where = " away from router near ties" if "near_tie_positions" in s else ""
-    return (f"HF's own spread (eager vs sdpa on the golden's sequences, {s['positions']} positions{where}): err p50 "
+    return (f"HF's own spread (each statistic the larger of HF against itself, eager vs sdpa and thread counts, and "
+            f"HF against float64, on the golden's sequences, {s['positions']} positions{where}): err p50 "
             f"{s['err_p50']:.3g}, p90 {s['err_p90']:.3g}, p99 {s['err_p99']:.3g}, max {s['err_max']:.3g}; KL mean "
-            f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}. Near-tie tolerance {result.tie_tol:.3g}.\n\n"
+            f"{s['kl_mean']:.3g}, p99 {s['kl_p99']:.3g}{_parts(s)}. Near-tie tolerance {result.tie_tol:.3g}.\n\n"
             f"{_router_line(result)}")
+
+
+def _parts(s: Dict[str, Any] | None) -> str:
+    """The two measures HF's own spread is the larger of: its kernels' and its distance to float64."""
+    if s and s.get("float64_unmeasured"):
+        return f" (HF to float64 not measured: {s['float64_unmeasured']})"
+    if not s or "float64_err_max" not in s:
+        return ""
+    return (f" (largest err: HF's kernels {s.get('kernel_err_max', float('nan')):.3g}, HF to float64 "
+            f"{s['float64_err_max']:.3g})")
 
 
 def write_report(result: ParityResult, write_files: bool = True, update: bool = False) -> str:
@@ -93,7 +104,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     tp += " in batch-invariant mode" if result.batch_invariant else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
-            f"floor))")
+            f"floor){_parts(result.hf_stats)})")
     summary = text_table(summary_rows(result))
     failing = [_row(p) for p in result.prompts if not p.passed]
     text = f"{result.failure}\n{head}\n{summary}" if result.failure else f"{head}\n{summary}"

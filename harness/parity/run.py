@@ -18,7 +18,7 @@ from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
 from harness.models import ModelRef, as_model, resolve_models
-from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, spread_stats,
+from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, own_spread,
                                  tie_tolerance, tolerance)
 from harness.parity.failure import failure_block
 from harness.parity.paths import PATHS, ParityPath
@@ -141,6 +141,13 @@ def select_prompts(gs: G.GoldenSet, prompt: str | None) -> List[int]:
                     f"from 0 to {len(names) - 1} or one of its names: {', '.join(names)}")
 
 
+def _judged(run: tuple, indices: List[int]) -> tuple:
+    """A run of the whole golden set cut to the prompts judged (indices), renumbered as gs's subset is."""
+    stats, outputs, margins = run
+    return ({u: stats[i] for u, i in enumerate(indices)}, [outputs[i] for i in indices],
+            {u: margins[i] for u, i in enumerate(indices)})
+
+
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
                prompt: str | None = None, obtained_root: Path = OBTAINED_DIR,
@@ -151,22 +158,24 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
     indices = select_prompts(full, prompt)
-    gs = G.GoldenSet([full.prompts[i] for i in indices], full.provenance)
+    gs = G.GoldenSet([full.prompts[i] for i in indices], full.provenance, full.reference_command)
     is_moe = model_is_moe(model)
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model.name, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
-                          spread_stats(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None,
+                          own_spread(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None,
                           batch_invariant=batch_invariant)
     result.model_args = model.args + model.golden_args
     folder = obtained_root / model.name / (f"{device.split(':')[0]}-{dtype}" + result.mode_suffix)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     clock = progress.Stopwatch()
     # the first path's line times all ranks' runs
-    by_tp = run_paths_tp(chosen, model, device, dtype, gs, tp, batch_invariant) if tp > 1 else {}
+    # every path runs the whole set, even for one prompt: alone, a prompt has other shapes than in the batch it
+    # failed in (other GEMM row counts, other rounding), so a re-run of it alone could pass where the gate failed
+    by_tp = run_paths_tp(chosen, model, device, dtype, full, tp, batch_invariant) if tp > 1 else {}
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
-        stats, outputs, margins = by_tp[path.name] if tp > 1 else \
-            run_path(path, model, device, dtype, gs, batch_invariant)
+        stats, outputs, margins = _judged(by_tp[path.name] if tp > 1 else
+                                          run_path(path, model, device, dtype, full, batch_invariant), indices)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
                                         margins if is_moe else None, result.router_tie or 0.0, indices)
@@ -208,7 +217,9 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
         if args.tp > 1:
             _check_tp(model, args.tp)
         for dtype in dtypes:
-            select_prompts(G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts), args.prompt)
+            gs = G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
+            select_prompts(gs, args.prompt)
+            own_spread(gs, dtype, model.is_moe)  # a golden without its float64 reference is refused here
 
 
 def _check_tp(model: ModelRef, tp: int) -> None:
