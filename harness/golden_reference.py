@@ -88,67 +88,71 @@ def _golden_rows(pg: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([pg.prefill_ids, pg.decode_ids[1:]]), np.concatenate([pg.prefill_lp, pg.decode_lp[1:]])
 
 
-def _forward(model: Any, seq: List[int], moe: bool) -> tuple[torch.Tensor, np.ndarray | None]:
-    """Log-probabilities [len(seq), vocab] (float64) and, for a MoE model, each position's smallest router margin."""
-    out = model(torch.tensor([seq]), **({"output_router_logits": True} if moe else {}))
-    margins = router_margins(out, len(seq), model.config.num_experts_per_tok) if moe else None
-    return torch.log_softmax(out.logits[0].double(), -1), margins
+def _forward(model: Any, seq: List[int], tie: float | None, threads: int | None = None) -> tuple[torch.Tensor, Set[int]]:
+    """Log-probabilities [len(seq), vocab] (float64 for the float64 model, else float32) at `threads`, and for a MoE
+    model (tie: its near-tie margin in the golden's dtype) the positions whose smallest router margin is a near tie."""
+    moe = tie is not None
+    out = at_threads(model, threads, torch.tensor([seq]), {"output_router_logits": True} if moe else {})
+    logits = out.logits[0]
+    lp = torch.log_softmax(logits.double() if logits.dtype == torch.float64 else logits.float(), -1)
+    if not moe:
+        return lp, set()
+    margins = router_margins(out, len(seq), model.config.num_experts_per_tok)
+    return lp, {int(p) for p in np.nonzero(margins <= tie)[0]}
 
 
 @torch.inference_mode()
 def measure(model: ModelRef, gs: GoldenSet, variants: bool) -> Reference:
     """HF's distance to float64 at every golden position; variants: also HF's other settings on this CPU (the
-    golden's device is the CPU)."""
+    golden's device is the CPU). One model in memory at a time: the float64 run keeps its log-probabilities on the
+    golden's ids only, the variants are compared with those."""
     clock = progress.Stopwatch()
     need, have = int(HEADROOM * float64_bytes(model)), available_bytes()
     if need > have:
         why = (f"the float64 copy needs about {need / 2**30:.0f} GiB and this host has {have / 2**30:.0f} GiB free; "
                "the tolerance follows HF's kernel spread alone")
         return Reference([], [], None, None, None, clock.lap(), unmeasured=why)
-    dtype = gs.provenance["dtype"]
-    moe = model.is_moe
-    tie = ROUTER_TIE[dtype]
-    exact = hf_model(model, "cpu", torch.float64)
-    # the golden's own run is sdpa at this process's thread count
-    runs = [(hf_model(model, "cpu", getattr(torch, dtype), attn), t) for attn in ("sdpa", "eager")
-            for t in spread_threads("cpu") if not (attn == "sdpa" and t == torch.get_num_threads())] if variants else []
+    dtype, moe = gs.provenance["dtype"], model.is_moe
+    tie = ROUTER_TIE[dtype] if moe else None
+    rows = [_golden_rows(pg) for pg in gs.prompts]
     recorded = gs.provenance.get("hf_router_near_ties", {})
-    errs, kls, keep = [], [], []
-    for pg in progress.bar(gs.prompts, desc=f"float64 reference {model.name} {dtype}"):
-        seq = _sequence(pg)
-        ids, lp = _golden_rows(pg)
-        n = len(ids)
-        x, margins = _forward(exact, seq, moe)
-        x = x[:n]
-        err = np.zeros(n)
-        kl = np.zeros(n)
-        ties: Set[int] = set(recorded.get(pg.name, ()))
-        if margins is not None:
-            ties |= {int(p) for p in np.nonzero(margins[:n] <= tie)[0]}
-        for pos in range(n):  # the golden's own log-probabilities against float64 on its ids
-            st = compare_row(x[pos], ids[pos], lp[pos])
-            err[pos], kl[pos] = st.err, st.kl
-        for hf, threads in runs:  # HF's other settings against float64, on the same ids
-            out = at_threads(hf, threads, torch.tensor([seq]), {"output_router_logits": True} if moe else {})
-            y = torch.log_softmax(out.logits[0].float(), -1)
-            if moe:
-                            ties |= {int(p) for p in np.nonzero(router_margins(out, len(seq), hf.config.num_experts_per_tok)[:n]
-                                                    <= tie)[0]}
-            for pos in range(n):
-                ref_lp = x[pos][torch.from_numpy(ids[pos].astype(np.int64))].numpy()
-                st = compare_row(y[pos], ids[pos], ref_lp)
-                err[pos], kl[pos] = max(err[pos], st.err), max(kl[pos], st.kl)
-        errs.append(err.astype(np.float32))
-        kls.append(kl.astype(np.float32))
-        keep.append(np.array([pos not in ties for pos in range(n)]))
-    stats = spread_summary(np.concatenate(errs), np.concatenate(kls))
+    ties: List[Set[int]] = [set(recorded.get(pg.name, ())) for pg in gs.prompts]
+    exact = hf_model(model, "cpu", torch.float64)
+    at_ids, errs, kls = [], [], []
+    for pg, (ids, lp), tied in zip(progress.bar(gs.prompts, desc=f"float64 reference {model.name} {dtype}"), rows,
+                                   ties):
+        x, near = _forward(exact, _sequence(pg), tie)
+        tied |= near
+        x = torch.stack([x[pos][torch.from_numpy(ids[pos].astype(np.int64))] for pos in range(len(ids))])
+        at_ids.append(x)  # [n, K]: float64 on the golden's ids, all the variants need
+        # the golden's own log-probabilities against it (compare_row on the K ids: the row is already theirs)
+        stats = [compare_row(x[pos], np.arange(len(ids[pos])), lp[pos]) for pos in range(len(ids))]
+        errs.append(np.array([st.err for st in stats]))
+        kls.append(np.array([st.kl for st in stats]))
+    del exact
+    # HF's other settings against float64 on the same ids; the golden's own run is sdpa at this thread count
+    settings = [(attn, t) for attn in ("sdpa", "eager") for t in spread_threads("cpu")
+                if not (attn == "sdpa" and t == torch.get_num_threads())] if variants else []
+    for attn in dict.fromkeys(a for a, _ in settings):
+        hf = hf_model(model, "cpu", getattr(torch, dtype), attn)
+        for threads in [t for a, t in settings if a == attn]:
+            for u, pg in enumerate(gs.prompts):
+                y, near = _forward(hf, _sequence(pg), tie, threads)
+                ties[u] |= near
+                ids = rows[u][0]
+                for pos in range(len(ids)):
+                    st = compare_row(y[pos], ids[pos], at_ids[u][pos].numpy())
+                    errs[u][pos], kls[u][pos] = max(errs[u][pos], st.err), max(kls[u][pos], st.kl)
+        del hf
+    errs, kls = [e.astype(np.float32) for e in errs], [k.astype(np.float32) for k in kls]  # as golden.npz keeps them
+    flat_err, flat_kl = np.concatenate(errs), np.concatenate(kls)
     routed = None
     if moe:
-        k = np.concatenate(keep)
-        routed = dict(spread_summary(np.concatenate(errs)[k], np.concatenate(kls)[k]), router_tie=tie,
-                      near_tie_positions=int((~k).sum()))
+        keep = np.concatenate([[pos not in tied for pos in range(len(e))] for e, tied in zip(errs, ties)])
+        routed = dict(spread_summary(flat_err[keep], flat_kl[keep]), router_tie=tie,
+                      near_tie_positions=int((~keep).sum()))
     threads = [t for t in spread_threads("cpu") if t is not None] if variants else None
-    return Reference(errs, kls, stats, routed, threads, clock.lap())
+    return Reference(errs, kls, spread_summary(flat_err, flat_kl), routed, threads, clock.lap())
 
 
 def reference_provenance(ref: Reference, command: str) -> Dict[str, Any]:
