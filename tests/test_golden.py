@@ -167,3 +167,18 @@ def test_a_golden_without_its_float64_reference_is_refused_then_the_command_adds
     assert all(np.array_equal(data[k], v) for k, v in arrays.items()), "the golden's arrays kept"
     assert {k.split("/")[1] for k in set(data.files) - set(arrays)} == {"reference_err", "reference_kl"}
     assert main(argv) == 0
+
+
+def test_every_committed_golden_names_the_tokenizer_its_zoo_model_prepares_to():
+    """A GPU golden is refused on the card when the prepared folder's tokenizer files differ from the ones it
+    recorded; the files must not follow the transformers version that prepared them (nor the device)."""
+    from harness import zoo
+    from harness.golden_files import GOLDEN_DIR
+
+    recorded = {}
+    for prov in sorted(GOLDEN_DIR.glob("**/provenance.json")):
+        model = json.loads(prov.read_text())
+        if model["model"] in zoo.MODELS and zoo.is_prepared(model["model"]):
+            recorded[str(prov.parent.relative_to(GOLDEN_DIR))] = (model["tokenizer_sha256"],
+                                                                 zoo.tokenizer_sha256(zoo.path(model["model"])))
+    assert recorded and {k: v for k, v in recorded.items() if v[0] != v[1]} == {}

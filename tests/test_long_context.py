@@ -11,11 +11,16 @@ tokens of real text, every position), along the two paths that reach what only a
 The other paths add nothing at this length that these two miss (single and paged: batch's prefill alone or on larger
 pages; prefix and continuous: extends, as chunked's; free: the engine's own 16 tokens), and run in `nox -s parity-long`
 with gemma3-270m's long-context golden (past its sliding window), which needs a 238 MB download first.
+
+On a GPU (`cuda`), every GPU path runs against the GPU long-context goldens (bf16 and fp32, made on the card), the
+5-token chunks included: there they cost seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import pytest
 
 from harness import golden as G
 from harness.models import GOLDEN_DIR
@@ -43,3 +48,17 @@ def test_smollm2_matches_long_context_golden(monkeypatch):
     print(write_report(result, write_files=False))
     assert result.passed, write_report(result, write_files=False)
     assert {p.path for p in result.paths} == {"batch", "chunked"}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_smollm2_matches_long_context_golden_on_cuda(dtype):
+    """Every GPU path against the GPU long-context golden (made on the card: `golden --device cuda --prompts
+    golden/prompts-long-context.jsonl --golden-dir golden/long-context`), the chunked path's 5-token chunks included:
+    on the GPU they cost seconds, and they are what a 4,000-token prefix under FlashInfer's paged prefill reaches."""
+    gs = G.load_checked("smollm2-135m", "cuda", dtype, LONG_CONTEXT)
+    assert len(gs.prompts) >= 2 and min(len(p.prompt_ids) for p in gs.prompts) >= 4000
+    result = run.run_parity("smollm2-135m", device="cuda", dtype=dtype, golden_root=LONG_CONTEXT)
+    print(write_report(result, write_files=False))
+    assert result.passed, write_report(result, write_files=False)
+    assert {p.path for p in result.paths} == {p.name for p in PATHS if p.applies_to("cuda", False)}

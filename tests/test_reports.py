@@ -135,3 +135,22 @@ def test_a_figure_is_not_credited_to_a_commit_whose_code_it_did_not_run(tmp_path
     assert report.git_commit(tmp_path) == head
     (tmp_path / "engine" / "a.py").write_text("x = 2\n")
     assert report.git_commit(tmp_path) == f"{head} with uncommitted changes to engine/ or harness/"
+
+
+@pytest.mark.parametrize("folder", sorted(str(p.parent.relative_to(report.REPO_ROOT / "golden"))
+                                          for p in (report.REPO_ROOT / "golden").glob("**/provenance.json")))
+def test_a_report_can_be_written_from_every_committed_golden(folder: str) -> None:
+    """The report's account of HF's own spread, from what each golden records (older goldens record less): the GPU
+    goldens are read on the CPU here, so a report that a card would write is checked without one."""
+    from harness import golden as G
+    from harness.parity.gate import ParityResult, hf_largest_err, own_spread, tie_tolerance, tolerance
+    from harness.parity.report import write_report
+
+    gs = G.load(report.REPO_ROOT / "golden" / folder)
+    prov = gs.provenance
+    dtype, moe = prov["dtype"], "moe" in prov["model"]
+    tol = tolerance(gs, dtype, moe)
+    result = ParityResult(prov["model"], prov["device_type"], dtype, tol, hf_largest_err(gs, dtype, moe),
+                          tie_tolerance(tol, None), own_spread(gs, dtype, moe))
+    assert result.hf_stats["positions"] > 0
+    assert f"parity {prov['model']}" in write_report(result, write_files=False)

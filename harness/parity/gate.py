@@ -192,6 +192,7 @@ def own_spread(gs: G.GoldenSet, dtype: str, moe: bool = False) -> Dict[str, Any]
     for k in SPREAD_KEYS:
         if k in ref:
             own[k] = max(float(spread.get(k, 0.0)), float(ref[k]))
+    own.setdefault("positions", ref["positions"])  # an older golden's spread is its largest err only
     own.update({f"float64_{k}": ref[k] for k in ("err_max", "err_p99")})
     return own
 
