@@ -9,6 +9,7 @@ from typing import Any, List
 
 from harness import golden as G
 from harness.parity.gate import GATED, ParityResult, PathResult, PromptResult, Where
+from harness.subject import OWN
 
 CONTEXT_TOKENS = 24  # how much text before the failing position is shown
 
@@ -84,6 +85,7 @@ def headline(result: ParityResult, path_name: str | None = None) -> str | None:
 def rerun_command(result: ParityResult, f: Failure) -> str:
     tp = f" --tp {result.tp}" if result.tp > 1 else ""
     tp += " --batch-invariant" if result.batch_invariant else ""
+    tp += f" --engine {result.engine}" if result.engine != OWN else ""
     model = result.model_args or f"--model {result.model}"
     return (f"python -m harness parity {model} --device {result.device} --dtype {result.dtype} --path {f.path} "
             f"--prompt {f.prompt}{tp}")

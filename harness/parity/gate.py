@@ -43,6 +43,8 @@ from typing import Any, Dict, List
 import numpy as np
 
 from harness import golden as G
+from harness import subject
+from harness.subject import OWN
 from harness.compare import PositionStat
 from harness.parity.paths import ParityPath
 
@@ -134,11 +136,12 @@ class ParityResult:
     tp: int = 1
     router_tie: float | None = None  # the router near-tie margin (MoE models only)
     batch_invariant: bool = False  # the engines ran in batch-invariant mode
+    engine: str = OWN  # the engine under test (--engine, harness.subject)
 
     @property
     def mode_suffix(self) -> str:
-        """What the mode adds to the report's and the obtained file's folder name."""
-        return "-batch-invariant" if self.batch_invariant else ""
+        """What the mode and another engine add to the report's and the obtained file's folder name."""
+        return ("-batch-invariant" if self.batch_invariant else "") + subject.suffix(self.engine)
 
     @property
     def passed(self) -> bool:
@@ -192,7 +195,8 @@ def own_spread(gs: G.GoldenSet, dtype: str, moe: bool = False) -> Dict[str, Any]
     for k in SPREAD_KEYS:
         if k in ref:
             own[k] = max(float(spread.get(k, 0.0)), float(ref[k]))
-    own.setdefault("positions", ref["positions"])  # an older golden's spread is its largest err only
+    if "positions" in ref:  # an older golden's spread is its largest err only
+        own.setdefault("positions", ref["positions"])
     own.update({f"float64_{k}": ref[k] for k in ("err_max", "err_p99")})
     return own
 

@@ -10,6 +10,7 @@ from harness.parity.gate import ParityResult
 from harness.parity.gate import __doc__ as rule
 from harness.parity.paths import PATHS
 from harness.parity.plot import plot_errors
+from harness.subject import OWN
 from harness.report import (markdown_table, provenance, provenance_markdown, report_root, text_table, write_json,
                             written_to)
 
@@ -102,6 +103,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
     tp += " in batch-invariant mode" if result.batch_invariant else ""
+    tp += f" (--engine {result.engine})" if result.engine != OWN else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
             f"floor){_parts(result.hf_stats)})")
@@ -117,7 +119,8 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
         text += f"\nthe engine's result, in the golden's format: {result.obtained}"
     if not write_files:
         return text
-    prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp)
+    prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp,
+                      **({} if result.engine == OWN else {"engine": result.engine}))
     name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "") + \
         result.mode_suffix
     out = report_root(update) / "parity" / result.model / name

@@ -12,7 +12,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo, div_even
-from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, subject
 from harness import golden as G
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
@@ -49,9 +49,9 @@ class _Recorder:
             self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
 
 
-def path_engine(plan: _PathPlan, model: ModelRef | str) -> Engine:
-    """A new engine configured for the path."""
-    return Engine(EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1),
+def path_engine(plan: _PathPlan, model: ModelRef | str, engine: str = subject.OWN) -> Engine:
+    """A new engine configured for the path: this project's, or the class --engine names (harness.subject)."""
+    return subject.engine_class(engine)(EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1),
                                **plan.engine_kwargs))
 
 
@@ -69,11 +69,11 @@ def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
 
 
 def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet,
-             batch_invariant: bool = False) -> tuple:
+             batch_invariant: bool = False, engine_spec: str = subject.OWN) -> tuple:
     """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
     router margins."""
     plan = plan_path(path, device, dtype, gs, batch_invariant)
-    engine = path_engine(plan, model)
+    engine = path_engine(plan, model, engine_spec)
     try:
         return drive_path(engine, plan, gs)
     finally:
@@ -151,10 +151,11 @@ def _judged(run: tuple, indices: List[int]) -> tuple:
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
                prompt: str | None = None, obtained_root: Path = OBTAINED_DIR,
-               batch_invariant: bool = False) -> ParityResult:
+               batch_invariant: bool = False, engine: str = subject.OWN) -> ParityResult:
     """Every path against the golden (under golden_root, default: the model's), or only its prompt `prompt`; on the
     first failing path the engine's result is written under obtained_root (build/parity/), and the first failure is
-    shown (harness.parity.failure). batch_invariant: the engines in that mode (EngineConfig.batch_invariant)."""
+    shown (harness.parity.failure). batch_invariant: the engines in that mode (EngineConfig.batch_invariant); engine:
+    the engine under test (--engine, harness.subject)."""
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
     indices = select_prompts(full, prompt)
@@ -163,7 +164,7 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     tol, limits = tolerance(gs, dtype, is_moe), dist_limits(gs, dtype, is_moe)
     result = ParityResult(model.name, device, dtype, tol, hf_largest_err(gs, dtype, is_moe), tie_tolerance(tol, limits),
                           own_spread(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, engine=engine)
     result.model_args = model.args + model.golden_args
     folder = obtained_root / model.name / (f"{device.split(':')[0]}-{dtype}" + result.mode_suffix)
     chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
@@ -175,7 +176,7 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     for path in chosen:
         logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
         stats, outputs, margins = _judged(by_tp[path.name] if tp > 1 else
-                                          run_path(path, model, device, dtype, full, batch_invariant), indices)
+                                          run_path(path, model, device, dtype, full, batch_invariant, engine), indices)
         was_passing = result.passed
         prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
                                         margins if is_moe else None, result.router_tie or 0.0, indices)
@@ -213,6 +214,9 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
     if gpu_only:
         raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
     junit.check_path(args.junit)
+    subject.engine_class(args.engine)
+    if args.engine != subject.OWN and (args.tp > 1 or args.explain):
+        raise UserError(f"--engine {args.engine}: --tp and --explain run this project's engine only; leave them out")
     for model in models:
         if args.tp > 1:
             _check_tp(model, args.tp)
@@ -242,7 +246,7 @@ def command(args: argparse.Namespace) -> int:
     for model in models:
         for dtype in dtypes:
             result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt,
-                                batch_invariant=args.batch_invariant)
+                                batch_invariant=args.batch_invariant, engine=args.engine)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
             suites.append(junit.parity_suite(result))
@@ -251,7 +255,7 @@ def command(args: argparse.Namespace) -> int:
 
                 golden = G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
                 print(explain_failure(result, golden, model))
-    if not args.no_sampling and args.device == "cpu" and args.prompt is None:
+    if not args.no_sampling and args.device == "cpu" and args.prompt is None and args.engine == subject.OWN:
         from harness.sampling.run import main_from_parity
 
         own = [m for m in models if not m.zoo]  # a user's own folders give the real-logit cases, not the zoo's
