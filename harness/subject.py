@@ -14,7 +14,7 @@ from typing import Any
 from harness import UserError
 
 OWN = "engine"  # the default: this project's engine
-# what the driver reads of an engine: the spec's names
+# checked before anything runs; what else the driver reads of an engine: docs/parity.md
 REQUIRED = ("forward_batch", "shutdown")
 
 

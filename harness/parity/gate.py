@@ -44,7 +44,6 @@ import numpy as np
 
 from harness import golden as G
 from harness import subject
-from harness.subject import OWN
 from harness.compare import PositionStat
 from harness.parity.paths import ParityPath
 
@@ -136,7 +135,7 @@ class ParityResult:
     tp: int = 1
     router_tie: float | None = None  # the router near-tie margin (MoE models only)
     batch_invariant: bool = False  # the engines ran in batch-invariant mode
-    engine: str = OWN  # the engine under test (--engine, harness.subject)
+    engine: str = subject.OWN  # the engine under test (--engine, harness.subject)
 
     @property
     def mode_suffix(self) -> str:

@@ -51,8 +51,8 @@ class _Recorder:
 
 def path_engine(plan: _PathPlan, model: ModelRef | str, engine: str = subject.OWN) -> Engine:
     """A new engine configured for the path: this project's, or the class --engine names (harness.subject)."""
-    return subject.engine_class(engine)(EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1),
-                               **plan.engine_kwargs))
+    config = EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1), **plan.engine_kwargs)
+    return subject.engine_class(engine)(config)
 
 
 def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
