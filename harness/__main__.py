@@ -1,4 +1,4 @@
-"""python -m harness {models,golden,parity,sampling,bench,fuzz,resolution} ... (each verb's --help says more).
+"""python -m harness {models,golden,parity,sampling,bench,fuzz,resolution,serve} ... (each verb's --help says more).
 
 Exit status, the same for every verb (harness.EXIT_*):
   0  pass: every check held
@@ -83,6 +83,7 @@ VERBS = (
     "harness.bench",
     "harness.fuzz",
     "harness.resolution",
+    "harness.subjects.server",
 )
 
 

@@ -8,24 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine import Engine
 from harness import report
 from harness.__main__ import main
 from harness.parity.paths import PATHS
+from peer_faults import PlantedOProj  # noqa: F401 (named below as python:test_engine_door:PlantedOProj)
 
 MODEL = "tiny-qwen3"
 CPU_PATHS = [p.name for p in PATHS if p.applies_to("cpu")]
-
-
-class PlantedOProj(Engine):
-    """This engine with layer 1's attention output projection scaled by 1.02 (the resolution's 2% weight fault)."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        with torch.no_grad():
-            dict(self.model.named_parameters())["model.layers.1.self_attn.o_proj.weight"].mul_(1.02)
 
 
 class NotAnEngine:
@@ -54,7 +44,7 @@ def test_a_planted_fault_in_a_door_engine_fails_and_its_rerun_names_it(capsys: p
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("vllm", "give python:MODULE:CLASS"),
+    ("python:engine", "give python:MODULE:CLASS"),
     ("python:no_such_module_here:Engine", "cannot import no_such_module_here"),
     ("python:engine:NoSuchClass", "module engine has no NoSuchClass"),
     ("python:test_engine_door:NotAnEngine", "NotAnEngine lacks forward_batch"),
@@ -71,7 +61,7 @@ def test_a_door_engines_report_never_takes_this_engines_place(tmp_path: Path, mo
     monkeypatch.setattr(report, "BUILD_REPORTS_DIR", tmp_path / "build")
     rc, out = _parity(capsys, "python:engine:Engine", "--path", "batch", "--update-reports")
     assert rc == 0, out
-    written = sorted(p.name for p in (tmp_path / "reports" / "parity" / MODEL).iterdir())
-    assert written == [f"cpu-float32-python-engine-Engine.{e}" for e in ("json", "md", "png")]
-    assert '"engine": "python:engine:Engine"' in (tmp_path / "reports" / "parity" / MODEL /
-                                                  "cpu-float32-python-engine-Engine.json").read_text()
+    assert not (tmp_path / "reports" / "parity").exists()
+    folder = tmp_path / "reports" / "peers" / "python-engine-Engine" / "parity" / MODEL
+    assert sorted(p.name for p in folder.iterdir()) == [f"cpu-float32.{e}" for e in ("json", "md", "png")]
+    assert '"engine": "python:engine:Engine"' in (folder / "cpu-float32.json").read_text()

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead: the default mode's batch variance (smollm2-135m, 32 prompts of real text, 64 greedy "
                         "tokens, together against alone) and batch-invariant mode's cost against the default, both "
                         "modes in this run (default model: smollm2-135m); writes batch-invariant/summary.md")
+    p.add_argument("--engine", default="engine", metavar="SPEC",
+                   help="instead: this engine against another (vllm, openai:URL, python:MODULE:CLASS) on the same "
+                        "model and cores, interleaved, each row a ratio with its interval (default model: "
+                        "smollm2-135m; --repeats: paired repeats, default 5); writes peer.md under reports/peers/")
     add_update_flag(p)
     p.set_defaults(func=_command)
 
@@ -44,12 +48,17 @@ AGAINST_ONLY = ("repeats", "rounds", "fail_if_slower")
 def _command(args: argparse.Namespace) -> int:
     from harness import UserError
 
-    stray = [f"--{k.replace('_', '-')}" for k in AGAINST_ONLY if getattr(args, k) is not None]
+    stray = [f"--{k.replace('_', '-')}" for k in AGAINST_ONLY if getattr(args, k) is not None
+             and not (k == "repeats" and args.engine != "engine")]
+    if args.engine != "engine" and (args.against is not None or args.batch_invariant):
+        raise UserError("--engine and --against / --batch-invariant are separate runs: give one of them")
     if args.against is None and stray:
         raise UserError(f"{' '.join(stray)}: only an A/B run takes it; add --against REF (e.g. --against main)")
     if args.against is not None and args.batch_invariant:
         raise UserError("--against and --batch-invariant are separate runs: give one of them")
-    if args.batch_invariant:
+    if args.engine != "engine":
+        from harness.bench.peer import command
+    elif args.batch_invariant:
         from harness.bench.invariance import command
     elif args.against is not None:
         from harness.bench.against import command

@@ -34,10 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--no-report", action="store_true", help="print only; write no report files")
     add_update_flag(where)
     p.add_argument("--no-sampling", action="store_true", help="skip the sampler's distribution tests")
-    p.add_argument("--engine", default="engine", metavar="python:MODULE:CLASS",
-                   help="the engine under test: a class implementing the spec's Engine (EngineConfig, forward_batch, "
-                        "Req, Batch), driven on every path as this project's is; its reports get a suffix that names "
-                        "it, and the sampler's tests (this project's sampler) are skipped. Default: this engine")
+    p.add_argument("--engine", default="engine", metavar="SPEC",
+                   help="the engine under test: python:MODULE:CLASS (a class implementing the spec's Engine, driven "
+                        "on every path as this project's is), vllm (vLLM's Python API in its own virtualenv: nox -s "
+                        "peer-vllm) or openai:URL (an OpenAI-compatible completions server), the last two on the "
+                        "paths batch, single and free; reports under reports/peers/<engine>/, and the sampler's tests "
+                        "(this project's sampler) are left to `sampling --engine`. Default: this engine "
+                        "(docs/peers.md)")
     p.add_argument("--prompt", help="judge only this golden prompt (its index in the golden, or its name), run in "
                                     "the company it has on each path (the whole set), so that a failure re-runs as "
                                     "it failed; the sampler's distribution tests are then skipped")

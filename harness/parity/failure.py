@@ -9,7 +9,7 @@ from typing import Any, List
 
 from harness import golden as G
 from harness.parity.gate import GATED, ParityResult, PathResult, PromptResult, Where
-from harness.subject import OWN
+from harness.subjects import OWN
 
 CONTEXT_TOKENS = 24  # how much text before the failing position is shown
 

@@ -43,7 +43,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from harness import golden as G
-from harness import subject
+from harness import subjects
 from harness.compare import PositionStat
 from harness.parity.paths import ParityPath
 
@@ -135,12 +135,14 @@ class ParityResult:
     tp: int = 1
     router_tie: float | None = None  # the router near-tie margin (MoE models only)
     batch_invariant: bool = False  # the engines ran in batch-invariant mode
-    engine: str = subject.OWN  # the engine under test (--engine, harness.subject)
+    engine: str = subjects.OWN  # the engine under test (--engine, harness.subjects)
+    engine_info: Dict[str, Any] | None = None  # a black box's own provenance (its kind, version)
+    top_k: int | None = None  # the log-probabilities per position a black box returns (harness.compare.compare_topk)
 
     @property
     def mode_suffix(self) -> str:
         """What the mode and another engine add to the report's and the obtained file's folder name."""
-        return ("-batch-invariant" if self.batch_invariant else "") + subject.suffix(self.engine)
+        return ("-batch-invariant" if self.batch_invariant else "") + subjects.suffix(self.engine)
 
     @property
     def passed(self) -> bool:

@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Dict, List
 
+from harness.compare import compare_topk
 from harness.parity.gate import ParityResult
 from harness.parity.gate import __doc__ as rule
 from harness.parity.paths import PATHS
 from harness.parity.plot import plot_errors
-from harness.subject import OWN
-from harness.report import (markdown_table, provenance, provenance_markdown, report_root, text_table, write_json,
+from harness.subjects import OWN, report_dir
+from harness.report import (markdown_table, provenance, provenance_markdown, text_table, write_json,
                             written_to)
 
+# compare_topk's rule, from its docstring: what a black box's report says of its numbers
+_TOP_K_RULE = " ".join(compare_topk.__doc__.split()).split(". ", 1)[1]
 COLUMNS = ["path", "prompt", "max_err_prefill", "max_err_decode", "max_kl", "max_tv", "divergence", "passed"]
 
 
@@ -98,6 +101,13 @@ def _parts(s: Dict[str, Any] | None) -> str:
             f"{s['float64_err_max']:.3g})")
 
 
+def _top_k_rule(result: ParityResult) -> str:
+    if result.top_k is None:
+        return ""
+    return (f"## Another engine's top-k\n`--engine {result.engine}` returns its own top-{result.top_k} at each "
+            f"position, not HF's top-K: {_TOP_K_RULE}\n\n")
+
+
 def write_report(result: ParityResult, write_files: bool = True, update: bool = False) -> str:
     """Write the markdown and JSON reports (into the committed reports/ only when `update`); return the terminal
     summary."""
@@ -120,10 +130,11 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     if not write_files:
         return text
     prov = provenance(result.device, model=result.model, dtype=result.dtype, tp=result.tp,
-                      **({} if result.engine == OWN else {"engine": result.engine}))
+                      **({} if result.engine == OWN else {"engine": result.engine}),
+                      **({"engine_provenance": result.engine_info} if result.engine_info else {}))
     name = f"{result.device.split(':')[0]}-{result.dtype}" + (f"-tp{result.tp}" if result.tp > 1 else "") + \
-        result.mode_suffix
-    out = report_root(update) / "parity" / result.model / name
+        ("-batch-invariant" if result.batch_invariant else "")
+    out = report_dir(result.engine, update) / "parity" / result.model / name
     moe = result.router_tie is not None
     dist_cols = ROUTER_DIST_COLUMNS if moe else DIST_COLUMNS
     prompt_cols = COLUMNS[:-1] + ["router_near_ties", "passed"] if moe else COLUMNS
@@ -132,7 +143,8 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
           f"{first}"
-          f"## Rule\n{rule}\n## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
+          f"## Rule\n{rule}\n{_top_k_rule(result)}"
+          f"## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
           f"## Error distribution per path\n{_hf_line(result)}"
           f"{markdown_table(distribution_rows(result), dist_cols)}\n"
           f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], prompt_cols)}\n"

@@ -12,7 +12,7 @@ import torch
 
 from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo, div_even
-from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, subject
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, subjects
 from harness import golden as G
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
@@ -23,8 +23,10 @@ from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row
 from harness.parity.failure import failure_block
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.plan import PathPlan as _PathPlan, plan_path
+from harness.parity.remote import REMOTE, REMOTE_PATHS, run_remote_path
 from harness.parity.report import write_report
 from harness.report import REPO_ROOT
+from harness.subjects.base import Subject, check_top_k
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,10 @@ class _Recorder:
             self.stats[uid][start + i] = compare_row(lp[i], *golden_row(self.gs.prompts[uid], start + i))
 
 
-def path_engine(plan: _PathPlan, model: ModelRef | str, engine: str = subject.OWN) -> Engine:
-    """A new engine configured for the path: this project's, or the class --engine names (harness.subject)."""
+def path_engine(plan: _PathPlan, model: ModelRef | str, engine: str = subjects.OWN) -> Engine:
+    """A new engine configured for the path: this project's, or the class --engine names (harness.subjects)."""
     config = EngineConfig(model_path=str(as_model(model).folder), tp_info=DistributedInfo(0, 1), **plan.engine_kwargs)
-    return subject.engine_class(engine)(config)
+    return subjects.engine_class(engine)(config)
 
 
 def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
@@ -69,7 +71,7 @@ def drive_path(engine: Engine, plan: _PathPlan, gs: G.GoldenSet) -> tuple:
 
 
 def run_path(path: ParityPath, model: ModelRef | str, device: str, dtype: str, gs: G.GoldenSet,
-             batch_invariant: bool = False, engine_spec: str = subject.OWN) -> tuple:
+             batch_invariant: bool = False, engine_spec: str = subjects.OWN) -> tuple:
     """Run the engine along one path: per prompt, the PositionStat of every position, the sampled tokens and the
     router margins."""
     plan = plan_path(path, device, dtype, gs, batch_invariant)
@@ -151,11 +153,11 @@ def _judged(run: tuple, indices: List[int]) -> tuple:
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
                prompt: str | None = None, obtained_root: Path = OBTAINED_DIR,
-               batch_invariant: bool = False, engine: str = subject.OWN) -> ParityResult:
+               batch_invariant: bool = False, engine: str = subjects.OWN) -> ParityResult:
     """Every path against the golden (under golden_root, default: the model's), or only its prompt `prompt`; on the
     first failing path the engine's result is written under obtained_root (build/parity/), and the first failure is
     shown (harness.parity.failure). batch_invariant: the engines in that mode (EngineConfig.batch_invariant); engine:
-    the engine under test (--engine, harness.subject)."""
+    the engine under test (--engine, harness.subjects)."""
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
     indices = select_prompts(full, prompt)
@@ -167,34 +169,56 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
                           batch_invariant=batch_invariant, engine=engine)
     result.model_args = model.args + model.golden_args
     folder = obtained_root / model.name / (f"{device.split(':')[0]}-{dtype}" + result.mode_suffix)
-    chosen = [p for p in PATHS if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
+    black_box = not subjects.driven(engine)
+    chosen = [p for p in (REMOTE_PATHS if black_box else PATHS)
+              if (not paths or p.name in paths) and p.applies_to(device, is_moe)]
     clock = progress.Stopwatch()
+    peer = subjects.open_subject(engine, model) if black_box else None
+    if peer is not None:
+        check_top_k(peer, engine)
+        result.engine_info, result.top_k = peer.provenance(), peer.top_k
     # the first path's line times all ranks' runs
     # every path runs the whole set, even for one prompt: alone, a prompt has other shapes than in the batch it
     # failed in (other GEMM row counts, other rounding), so a re-run of it alone could pass where the gate failed
     by_tp = run_paths_tp(chosen, model, device, dtype, full, tp, batch_invariant) if tp > 1 else {}
-    for path in chosen:
-        logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
-        stats, outputs, margins = _judged(by_tp[path.name] if tp > 1 else
-                                          run_path(path, model, device, dtype, full, batch_invariant, engine), indices)
-        was_passing = result.passed
-        prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
-                                        margins if is_moe else None, result.router_tie or 0.0, indices)
-        path_result.seconds = clock.lap()
-        passed = path_result.passed and all(p.passed for p in prompts)
-        progress.line("parity", f"{model.name} {device} {dtype}{result.mode_suffix} {path.name}",
-                      "PASS" if passed else "FAIL",
-                      path_result.seconds)
-        result.prompts += prompts
-        result.paths.append(path_result)
-        if was_passing and not result.passed:
-            G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
-            result.obtained = str(folder / "golden.obtained.npz")
+    try:
+        for path in chosen:
+            _judge_path(result, path, model, device, dtype, full, gs, indices, tol, limits, by_tp, peer, folder, clock)
+    finally:
+        if peer is not None:
+            peer.close()
     if not result.passed:
         from transformers import AutoTokenizer
 
         result.failure = failure_block(result, full, AutoTokenizer.from_pretrained(model.folder)) or ""
     return result
+
+
+def _judge_path(result: ParityResult, path: ParityPath, model: ModelRef, device: str, dtype: str, full: G.GoldenSet,
+                gs: G.GoldenSet, indices: List[int], tol: float, limits: Dict[str, float] | None,
+                by_tp: Dict[str, tuple], peer: Subject | None, folder: Path, clock: progress.Stopwatch) -> None:
+    """One path run and judged into result; the first failing path's result is kept in the golden's format."""
+    is_moe = result.router_tie is not None
+    logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
+    if peer is not None:
+        run = run_remote_path(path, peer, full)
+    else:
+        run = by_tp[path.name] if result.tp > 1 else run_path(path, model, device, dtype, full,
+                                                                result.batch_invariant, result.engine)
+    stats, outputs, margins = _judged(run, indices)
+    was_passing = result.passed
+    prompts, path_result = evaluate(path, gs, stats, outputs, tol, result.tie_tol, limits,
+                                    margins if is_moe else None, result.router_tie or 0.0, indices)
+    path_result.seconds = clock.lap()
+    passed = path_result.passed and all(p.passed for p in prompts)
+    progress.line("parity", f"{model.name} {device} {dtype}{result.mode_suffix} {path.name}",
+                  "PASS" if passed else "FAIL",
+                  path_result.seconds)
+    result.prompts += prompts
+    result.paths.append(path_result)
+    if was_passing and not result.passed:
+        G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
+        result.obtained = str(folder / "golden.obtained.npz")
 
 
 def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
@@ -214,9 +238,15 @@ def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
     if gpu_only:
         raise UserError(f"--path {', '.join(gpu_only)}: runs only on a GPU; use --device cuda, or leave it out")
     junit.check_path(args.junit)
-    subject.engine_class(args.engine)
-    if args.engine != subject.OWN and (args.tp > 1 or args.explain):
+    subjects.check(args.engine)
+    if args.engine != subjects.OWN and (args.tp > 1 or args.explain):
         raise UserError(f"--engine {args.engine}: --tp and --explain run this project's engine only; leave them out")
+    if not subjects.driven(args.engine):
+        driven_only = [p for p in args.path or [] if p not in REMOTE]
+        if driven_only or args.batch_invariant:
+            what = f"--path {', '.join(driven_only)}" if driven_only else "--batch-invariant"
+            raise UserError(f"{what}: needs an engine whose batches the harness builds; --engine {args.engine} "
+                            f"runs the paths {', '.join(REMOTE)}")
     for model in models:
         if args.tp > 1:
             _check_tp(model, args.tp)
@@ -255,13 +285,15 @@ def command(args: argparse.Namespace) -> int:
 
                 golden = G.load_checked(model, args.device.split(":")[0], dtype, prompts=prompts)
                 print(explain_failure(result, golden, model))
-    if not args.no_sampling and args.device == "cpu" and args.prompt is None and args.engine == subject.OWN:
+    if not args.no_sampling and args.device == "cpu" and args.prompt is None and args.engine == subjects.OWN:
         from harness.sampling.run import main_from_parity
 
         own = [m for m in models if not m.zoo]  # a user's own folders give the real-logit cases, not the zoo's
         grid = main_from_parity(update=args.update_reports, **({"real_models": own} if own else {}))
         failed |= not grid.passed
         suites.append(junit.sampling_suite(grid, "cpu"))
+    elif not args.no_sampling and args.engine != subjects.OWN:
+        print(f"sampling: not run here; its sampler's tests: python -m harness sampling --engine {args.engine}")
     if args.junit:
         print(f"junit: {junit.write(args.junit, suites)}")
     return EXIT_FINDING if failed else EXIT_PASS

@@ -25,5 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arguments(p, f"{', '.join(REAL_MODELS)} (the models whose real logits make cases)",
                         flag="--real-model")
     p.add_argument("--no-real", action="store_true", help="skip the cases on real logits")
+    p.add_argument("--engine", default="engine", metavar="SPEC",
+                   help="the engine whose sampler is tested: vllm, openai:URL or python:MODULE:CLASS draw the next "
+                        "token of a prompt through the engine itself, against HF's float64 logits (docs/peers.md); "
+                        "default: this engine's sampler on the grid's logits")
+    p.add_argument("--draws", type=int, default=2000, help="with --engine: draws per case (default 2000)")
+    p.add_argument("--case", action="append", help="with --engine: only this case (repeatable)")
     junit.add_flag(p)
     p.set_defaults(func=command)

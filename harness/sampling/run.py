@@ -179,6 +179,10 @@ def main_from_parity(update: bool = False, real_models: Sequence[ModelRef | str]
 
 
 def command(args: argparse.Namespace) -> int:
+    if args.engine != "engine":
+        from harness.sampling.subject import command as through_engine
+
+        return through_engine(args)
     check_device(args.device, flashinfer=args.device.startswith("cuda"))  # on CUDA the grid tests FlashInfer's filters
     if args.max_cost is not None and args.max_cost <= 0:
         raise UserError(f"--max-cost {args.max_cost:g} allows no draw; give a positive number of draws x vocab, "

@@ -1,0 +1,123 @@
+"""python -m harness bench --engine SPEC: this engine and another on the same model, workloads and cores, in one run.
+
+Both subjects are started once (harness.subjects: this engine in this process, vLLM in its worker, a server as it
+runs); then for every workload, REPEATS times, each side runs it back to back, the order alternating, so that
+whatever the host does meanwhile hits both. A row's ratio is the other engine's time over this engine's (> 1: this
+engine is faster), exp of the mean paired log ratio with its t-interval (harness.bench.ab_stats.paired_ratio).
+
+Workloads, on random token ids (no EOS stop): the time to the first token of one prompt of 128 and 512 tokens (in
+each repeat the median of TTFT_RUNS), and
+the period of a decode step at batch 1 and 8 over a context of about CTX tokens: (the time of 1 + STEPS tokens - the
+time of 1 token) / STEPS, the two timed in the same repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List
+
+from harness import EXIT_PASS, progress, report, subjects
+from harness.bench.ab_stats import paired_ratio
+from harness.models import ModelRef, resolve_models
+from harness.subjects.base import Subject
+
+REPEATS, WARMUP = 5, 1
+# STEPS: enough decode steps that they, not the prefill's noise, make the difference of the two times
+TTFT_RUNS = 3  # a repeat's time to first token: the median of this many prefills (one alone is noisy)
+TTFT_LENGTHS, DECODE_BATCHES, CTX, STEPS = (128, 512), (1, 8), 128, 48
+
+
+@dataclass
+class PeerRow:
+    workload: str
+    engine_s: float  # this engine's median
+    peer_s: float  # the other's median
+    ratio: float  # peer / engine, from the paired log ratios
+    low: float
+    high: float
+    verdict: str  # this engine faster, slower, or no difference at this noise
+    repeats: int
+
+
+def _ids(n: int, seed: int, vocab: int) -> List[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def _workloads(vocab: int) -> Dict[str, tuple]:
+    """name -> (prompts, how to time them on a subject)."""
+    out: Dict[str, tuple] = {}
+    for n in TTFT_LENGTHS:
+        prompts = [_ids(n, n, vocab)]
+        out[f"ttft {n} tokens"] = (prompts, lambda s, p=prompts: statistics.median(s.timed(p, 1)
+                                                                                 for _ in range(TTFT_RUNS)))
+    for bs in DECODE_BATCHES:
+        prompts = [_ids(CTX - STEPS // 2, 1000 + i, vocab) for i in range(bs)]
+        out[f"decode step, batch {bs}, ctx {CTX}"] = (prompts, lambda s, p=prompts: _decode_step(s, p))
+    return out
+
+
+def _decode_step(subject: Subject, prompts: List[List[int]]) -> float:
+    step = (subject.timed(prompts, 1 + STEPS) - subject.timed(prompts, 1)) / STEPS
+    if step <= 0:
+        raise RuntimeError(f"{STEPS} decode steps took no measurable time beyond a prefill of {len(prompts)} prompts: "
+                           f"the host is too noisy for this row")
+    return step
+
+
+def run_peer_bench(spec: str, model: ModelRef, repeats: int = REPEATS) -> tuple[List[PeerRow], Dict]:
+    """The rows, and the other engine's provenance."""
+    ours: Subject = subjects.open_subject(subjects.OWN, model, own_process=True)
+    try:
+        peer = subjects.open_subject(spec, model, own_process=True)
+    except BaseException:
+        ours.close()
+        raise
+    rows, info = [], peer.provenance()
+    try:
+        for name, (_, measure) in _workloads(model.config.vocab_size).items():
+            clock = progress.Stopwatch()
+            for _ in range(WARMUP):
+                measure(ours)
+                measure(peer)
+            a, b = [], []
+            for r in range(repeats):
+                for side in ((ours, a), (peer, b))[::1 if r % 2 == 0 else -1]:
+                    side[1].append(measure(side[0]))
+            pr = paired_ratio(b, a)  # ref = the other engine, new = this one: > 1 when this one takes less time
+            verdict = {"faster": "this engine faster", "slower": "this engine slower"}.get(pr.verdict, pr.verdict)
+            rows.append(PeerRow(name, statistics.median(a), statistics.median(b), pr.ratio, pr.low, pr.high, verdict,
+                                repeats))
+            progress.line("bench", f"{model.name} {name}", f"{pr.ratio:.2f}x", clock.lap())
+    finally:
+        peer.close()
+        ours.close()
+    return rows, info
+
+
+COLUMNS = ["workload", "engine_s", "peer_s", "ratio", "low", "high", "verdict", "repeats"]
+
+
+def command(args: argparse.Namespace) -> int:
+    subjects.check(args.engine)
+    models = resolve_models(args, ("smollm2-135m",), verb="bench --engine")
+    for model in models:
+        start = time.perf_counter()
+        rows, info = run_peer_bench(args.engine, model, args.repeats or REPEATS)
+        out = subjects.report_dir(args.engine, args.update_reports) / "bench" / args.device / model.name
+        prov = report.provenance(args.device, model=model.name, engine=args.engine, engine_provenance=info)
+        table = [asdict(r) for r in rows]
+        md = (f"# This engine against `--engine {args.engine}`: {model.name}, {args.device}\n\n"
+              f"{__doc__.split(chr(10), 1)[1]}\n`engine_s` / `peer_s`: medians in seconds; `ratio`: the other's "
+              f"time / this engine's, 95% interval [low, high]. Wall time {time.perf_counter() - start:.0f} s.\n\n"
+              f"{report.markdown_table(table, COLUMNS)}\n## Provenance\n{report.provenance_markdown(prov)}")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "peer.md").write_text(md)
+        report.write_json(out / "peer.json", {"provenance": prov, "rows": table})
+        print(report.text_table(table, COLUMNS))
+        print(report.written_to(out / "peer.md", args.update_reports))
+    return EXIT_PASS

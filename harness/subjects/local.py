@@ -1,0 +1,69 @@
+"""A driven engine (this project's, or python:MODULE:CLASS) as a Subject: the harness's driver over one engine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.core import SamplingParams
+from engine.distributed import DistributedInfo
+from harness.driver import Driver
+from harness.subjects.base import Scored, Subject
+from harness.subjects.spec import engine_class
+
+SLOTS = 64  # requests running at once: the sampling grid's draws go through in batches of this many
+SEQ_LEN = 1024
+
+
+class LocalSubject(Subject):
+    top_k = 64  # every position's whole distribution is at hand; the goldens keep 64
+
+    def __init__(self, spec: str, folder: Path, device: str = "cpu") -> None:
+        self.spec, self.folder = spec, folder
+        threads = torch.get_num_threads()  # an Engine sets its own; the caller's come back after it
+        self.engine = engine_class(spec)(EngineConfig(
+            model_path=str(folder), tp_info=DistributedInfo(0, 1), dtype=torch.float32, device=device,
+            max_running_req=SLOTS, cuda_graph_max_bs=0, max_seq_len_override=SEQ_LEN,
+            num_page_override=SLOTS * SEQ_LEN // 4))
+        self._threads = threads
+        self.driver = Driver(self.engine)
+
+    def provenance(self) -> Dict[str, Any]:
+        return {"engine": self.spec, "model": self.folder.name}
+
+    def score(self, prompts: Sequence[List[int]], max_new: Sequence[int], k: int) -> List[Scored]:
+        got: Dict[int, Dict[int, tuple]] = {i: {} for i in range(len(prompts))}
+
+        def keep(uid: int, start: int, lp: torch.Tensor) -> None:
+            top = lp.float().topk(k, dim=-1)
+            for i in range(lp.shape[0]):
+                got[uid][start + i] = (top.indices[i].numpy().astype(np.int64), top.values[i].double().numpy())
+
+        params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_new]
+        results = self.driver.generate(prompts, params, on_logits=keep)
+        out = []
+        for uid, res in enumerate(results):
+            positions = sorted(got[uid])
+            out.append(Scored(res.output_ids, np.stack([got[uid][p][0] for p in positions]),
+                              np.stack([got[uid][p][1] for p in positions])))
+        return out
+
+    def sample(self, prompt: List[int], params: SamplingParams, n: int, seed: int) -> np.ndarray:
+        reqs = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                               min_p=params.min_p, max_tokens=1, ignore_eos=True, seed=seed + i) for i in range(n)]
+        results = self.driver.generate([prompt] * n, reqs)
+        return np.array([r.output_ids[0] for r in results], dtype=np.int64)
+
+    def timed(self, prompts: Sequence[List[int]], max_new: int) -> float:
+        start = time.perf_counter()
+        self.driver.generate(prompts, SamplingParams(max_tokens=max_new, ignore_eos=True))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        torch.set_num_threads(self._threads)

@@ -1,0 +1,142 @@
+"""`--engine openai:URL`: an OpenAI-compatible completions server (vLLM, SGLang, llama.cpp's server, TGI, `python -m
+harness serve`) as a Subject, over HTTP with the standard library.
+
+Log-probabilities: prompts go as token ids; a prompt position's row comes from `prompt_logprobs` where the server has
+it (vLLM, SGLang), else from `echo` with `logprobs`; a generated position's from `logprobs`. Tokens are read as ids
+where the server names them so (vLLM's `return_tokens_as_token_ids`), else mapped back from their text through the
+model's tokenizer (a text that several ids decode to is left out of its row). Draws are not seeded (servers differ on
+what a seed with n > 1 means): up to MAX_N choices a request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+from engine.core import SamplingParams
+from harness import UserError
+from harness.subjects.base import MIN_TOP_K, Scored, Subject, Unsupported, rows
+
+MAX_N = 256
+TRIED_K = (64, MIN_TOP_K)  # the top-K asked for first; a server that refuses it is asked for MIN_TOP_K
+TIMEOUT = 600.0
+CONCURRENT = 16  # requests in flight at once: a server batches what arrives together
+
+
+def check_url(url: str) -> None:
+    if not url.startswith(("http://", "https://")):
+        raise UserError(f"--engine openai:{url}: give the server's address, e.g. openai:http://127.0.0.1:8000")
+
+
+def endpoint(url: str, path: str) -> str:
+    base = url.rstrip("/")
+    return f"{base}/{path}" if base.endswith("/v1") else f"{base}/v1/{path}"
+
+
+class OpenAISubject(Subject):
+    seeded = False
+
+    def __init__(self, url: str, folder: Path) -> None:
+        check_url(url)
+        self.url, self.folder = url, folder
+        try:
+            models = self._request("models")["data"]
+        except (urllib.error.URLError, OSError) as e:
+            raise UserError(f"--engine openai:{url}: no server answers there ({e}); start it, or check the "
+                            f"address") from None
+        self.model = models[0]["id"]
+        self.top_k = TRIED_K[0]
+        self._by_text: Dict[str, int] | None = None
+
+    def _request(self, path: str, body: Dict[str, Any] | None = None) -> Dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(endpoint(self.url, path), data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return json.loads(r.read())
+
+    def _complete(self, **body: Any) -> Dict[str, Any]:
+        return self._request("completions", {"model": self.model, "return_tokens_as_token_ids": True, **body})
+
+    def provenance(self) -> Dict[str, Any]:
+        # a served model's name may be the folder it was loaded from: its last part, never a machine's path
+        return {"kind": "openai", "url": self.url, "served_model": Path(self.model).name, "model": self.folder.name}
+
+    def _token(self, text: str) -> int | None:
+        """A token as the server names it -> its id (None: a text several ids decode to)."""
+        if text.startswith("token_id:"):
+            return int(text.partition(":")[2])
+        if self._by_text is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.folder)
+            texts = [tok.decode([i]) for i in range(len(tok))]
+            seen: Dict[str, int] = {}
+            for i, t in enumerate(texts):
+                seen[t] = -1 if t in seen else i
+            self._by_text = seen
+        i = self._by_text.get(text, -1)
+        return None if i < 0 else i
+
+    def _row(self, entry: Dict[str, Any] | None) -> List[tuple]:
+        """A top_logprobs entry ({text: logprob}) or a prompt_logprobs one ({id: {"logprob": ...}})."""
+        out = []
+        for key, value in (entry or {}).items():
+            lp = value["logprob"] if isinstance(value, dict) else value
+            tid = int(key) if key.lstrip("-").isdigit() else self._token(key)
+            if tid is not None:
+                out.append((tid, float(lp)))
+        return out
+
+    def _score_one(self, prompt: List[int], m: int, k: int) -> Scored:
+        got = self._complete(prompt=list(map(int, prompt)), max_tokens=m, temperature=0.0, logprobs=k, echo=True,
+                             prompt_logprobs=k, ignore_eos=True)
+        choice = got["choices"][0]
+        top = choice["logprobs"]["top_logprobs"]
+        prompt_part = choice.get("prompt_logprobs") or got.get("prompt_logprobs") or top[:len(prompt)]
+        per_position = [self._row(e) for e in prompt_part[1:len(prompt)]] + [self._row(e) for e in top[-m:]]
+        tokens = [self._token(t) for t in choice["logprobs"]["tokens"][-m:]]
+        return Scored([-1 if t is None else t for t in tokens], *rows(per_position, k))
+
+    def score(self, prompts: Sequence[List[int]], max_new: Sequence[int], k: int) -> List[Scored]:
+        k = min(k, self.top_k)
+        try:
+            self._score_one(list(prompts[0]), 1, k)
+        except urllib.error.HTTPError as e:
+            if k == MIN_TOP_K or e.code != 400:
+                raise
+            self.top_k = k = MIN_TOP_K  # the server caps its logprobs below the goldens' 64
+            try:
+                self._score_one(list(prompts[0]), 1, k)
+            except urllib.error.HTTPError as e2:
+                raise Unsupported(f"--engine openai:{self.url} refuses logprobs={MIN_TOP_K} ({e2}); parity needs "
+                                  f"the top-{MIN_TOP_K} at every position") from None
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            return list(pool.map(lambda a: self._score_one(list(a[0]), a[1], k), zip(prompts, max_new)))
+
+    def sample(self, prompt: List[int], params: SamplingParams, n: int, seed: int) -> np.ndarray:
+        sizes = [min(MAX_N, n - i) for i in range(0, n, MAX_N)]
+        body = {"prompt": list(map(int, prompt)), "max_tokens": 1, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p, "logprobs": 1, "ignore_eos": True}
+
+        def one(size: int) -> List[int]:
+            got = self._complete(**body, n=size)
+            return [self._token(c["logprobs"]["tokens"][0]) for c in got["choices"]]
+
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            draws = [t for chunk in pool.map(one, sizes) for t in chunk]
+        return np.array([-2 if t is None else t for t in draws], dtype=np.int64)
+
+    def timed(self, prompts: Sequence[List[int]], max_new: int) -> float:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max(len(prompts), 1)) as pool:
+            list(pool.map(lambda p: self._complete(prompt=list(map(int, p)), max_tokens=max_new, temperature=0.0,
+                                                   ignore_eos=True), prompts))
+        return time.perf_counter() - start

@@ -1,0 +1,87 @@
+"""vLLM's side of `--engine vllm`: run by vLLM's own interpreter (`python vllm_worker.py MODEL_FOLDER`), it imports
+the standard library and vllm only, never the harness (whose pins differ from vLLM's).
+
+One JSON object a line on stdin, its answer a line on the stdout it started with (everything vLLM prints goes to
+stderr): {"op": "score" | "sample" | "timed" | "info", ...} -> the result, or {"error": "..."}. The first line it
+writes is {"ready": ...} once the model has loaded. fp32, eager (no graph capture), no prefix caching: every request
+computes its whole prompt, as the goldens' HF run does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+MAX_LOGPROBS = 64  # the goldens keep HF's top-64 at every position
+
+
+def _rows(per_position: List[Any], k: int) -> List[List[List[float]]]:
+    """vLLM's {token id: Logprob} per position -> [[id, logprob], ...] of its top-k (the prompt token it adds beside
+    them, ranked lower, is left out so that a row is exactly the top-k)."""
+    return [[[int(t), float(lp.logprob)] for t, lp in row.items() if lp.rank is not None and lp.rank <= k]
+            for row in per_position]
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's own prints and logs go to stderr, never into the answers
+    sys.stdout = sys.stderr
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=sys.argv[1], dtype="float32", max_logprobs=MAX_LOGPROBS, enforce_eager=True,
+              enable_prefix_caching=False, max_model_len=int(os.environ.get("HARNESS_VLLM_MAX_LEN", "2048")), seed=0)
+    info = {"kind": "vllm", "vllm": vllm.__version__, "model": os.path.basename(sys.argv[1].rstrip("/")),
+            "max_logprobs": MAX_LOGPROBS, "load_seconds": round(time.perf_counter() - start, 1)}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    out.write(json.dumps({"ready": info}) + "\n")
+
+    def gen(prompts: List[List[int]], params: Any) -> List[Any]:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def handle(req: Dict[str, Any]) -> Dict[str, Any]:
+        op = req["op"]
+        if op == "info":
+            return info
+        if op == "score":
+            k = int(req["k"])
+            params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=k, prompt_logprobs=k,
+                                     detokenize=False) for m in req["max_new"]]
+            return {"scored": [{"tokens": list(o.outputs[0].token_ids),
+                                "rows": _rows(o.prompt_logprobs[1:], k) + _rows(o.outputs[0].logprobs, k)}
+                               for o in gen(req["prompts"], params)]}
+        if op == "sample":
+            p = req["params"]
+            params = [SamplingParams(temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+                                     min_p=p["min_p"], seed=req["seed"] + i, max_tokens=1, ignore_eos=True,
+                                     detokenize=False) for i in range(req["n"])]
+            return {"tokens": [o.outputs[0].token_ids[0] for o in gen([req["prompt"]] * req["n"], params)]}
+        if op == "timed":
+            params = SamplingParams(temperature=0.0, max_tokens=req["max_new"], ignore_eos=True, detokenize=False)
+            t0 = time.perf_counter()
+            gen(req["prompts"], params)
+            return {"seconds": time.perf_counter() - t0}
+        return {"error": f"unknown op {op!r}"}
+
+    for line in sys.stdin:
+        try:
+            answer = handle(json.loads(line))
+        except Exception as e:  # the harness shows it; the worker stays up for the next request
+            traceback.print_exc()
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn, which re-imports the main module
+    sys.exit(main())
