@@ -14,7 +14,6 @@ time of 1 token) / STEPS, the two timed in the same repeat.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from typing import Dict, List
 
 from harness import EXIT_PASS, progress, report, subjects
 from harness.bench.ab_stats import paired_ratio
+from harness.bench.workloads import decode_prompt_len, random_ids
 from harness.models import ModelRef, resolve_models
 from harness.subjects.base import Subject
 
@@ -43,20 +43,15 @@ class PeerRow:
     repeats: int
 
 
-def _ids(n: int, seed: int, vocab: int) -> List[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, vocab - 10) for _ in range(n)]
-
-
 def _workloads(vocab: int) -> Dict[str, tuple]:
     """name -> (prompts, how to time them on a subject)."""
     out: Dict[str, tuple] = {}
     for n in TTFT_LENGTHS:
-        prompts = [_ids(n, n, vocab)]
+        prompts = [random_ids(n, vocab, seed=n)]
         out[f"ttft {n} tokens"] = (prompts, lambda s, p=prompts: statistics.median(s.timed(p, 1)
                                                                                  for _ in range(TTFT_RUNS)))
     for bs in DECODE_BATCHES:
-        prompts = [_ids(CTX - STEPS // 2, 1000 + i, vocab) for i in range(bs)]
+        prompts = [random_ids(decode_prompt_len(CTX, STEPS), vocab, seed=1000 + i) for i in range(bs)]
         out[f"decode step, batch {bs}, ctx {CTX}"] = (prompts, lambda s, p=prompts: _decode_step(s, p))
     return out
 

@@ -138,6 +138,7 @@ def _order_case(logits: np.ndarray) -> Case:
     """top-k then top-p, with the p at which that order and top-p over the full mass lie furthest apart."""
     best = None
     for t, k in ((t, k) for t in (1.0, 1.5) for k in (3, 5, 8, 12, 20, 50)):
+        full = np.cumsum(np.sort(softmax64(logits, t))[::-1])
         p = filtered_distribution(logits, t, top_k=k).probs
         kept = np.sort(p[p > 0])[::-1]
         mass = np.cumsum(kept)
@@ -146,7 +147,6 @@ def _order_case(logits: np.ndarray) -> Case:
             if top_p is None:
                 continue
             params = SamplingParams(temperature=t, top_k=k, top_p=round(float(top_p), 6))
-            full = np.cumsum(np.sort(softmax64(logits, t))[::-1])
             if np.min(np.abs(full - params.top_p) / params.top_p) < MARGIN:
                 continue
             sep = _tv(_spec(params)(logits), _top_p_full(params)(logits))
@@ -159,12 +159,12 @@ def _order_case(logits: np.ndarray) -> Case:
 def _min_p_temperature_case(logits: np.ndarray, temperature: float = 1.5) -> Case:
     """min-p at a temperature, where the kept sets of the tempered and the untempered rule differ most."""
     tempered = np.sort(softmax64(logits, temperature))[::-1][:40]
+    untempered = np.sort(softmax64(logits, 1.0))[::-1][:40]
     best = None
     for m in np.geomspace(0.02, 0.5, 60):
         m = round(float(m), 6)
         if np.min(np.abs(tempered / tempered[0] - m) / m) < MARGIN:
             continue
-        untempered = np.sort(softmax64(logits, 1.0))[::-1][:40]
         if np.min(np.abs(untempered / untempered[0] - m) / m) < MARGIN:
             continue
         params = SamplingParams(temperature=temperature, min_p=m)
