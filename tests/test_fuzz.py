@@ -118,3 +118,22 @@ def test_a_fault_in_the_engines_kept_state_is_found_and_replays_on_a_fresh_engin
         assert "FAIL" in capsys.readouterr().out
     _, clean = replay(result.case_path, evaluator=evaluator)
     assert clean is None, clean
+
+
+LONG_FAULT = "torch-keys-past-1024-from-first-block"
+
+
+def test_the_long_tier_finds_a_fault_past_the_first_1024_tokens(evaluator, tmp_path):
+    """A fault that shows only past a request's first 1024 tokens (the torch backend gathering those keys from the
+    first block's slots): the long tier finds it and shrinks it to one prompt just past 1024 tokens; a short search
+    of the long tier without it passes."""
+    evaluator.fresh()
+    with planted(LONG_FAULT):
+        result = fuzz(FuzzOptions(budget=60, seed=0, planted=LONG_FAULT, folder=tmp_path, long=True), evaluator)
+    case = result.case
+    assert case is not None, "the planted fault was not found"
+    assert case.failure.invariant in ("kv-reference", "logits-reference"), case.failure
+    assert max(len(r.prompt) for r in case.workload.requests) > 1024 and "1024" in case.failure.details, case.failure
+    clean = fuzz(FuzzOptions(budget=15, seed=1, folder=tmp_path / "clean", long=True), evaluator)
+    assert clean.passed, failure_text(clean.case, clean.case_path, clean.first)
+    assert clean.counts["cases"] >= 1 and clean.counts["positions vs reference"] > 1024

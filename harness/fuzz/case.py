@@ -13,10 +13,15 @@ import torch
 from engine.core import SamplingParams
 from harness import UserError
 
-MAX_SEQ_LEN = 128  # max_seq_len of every engine of a fuzz run: far above any request the strategies draw
+MAX_SEQ_LEN = 128  # max_seq_len of the engines of a short-tier run: far above any request its strategies draw
 MAX_PROMPT = 40
 MAX_NEW = 16
 MAX_REQUESTS = 8
+# the long tier (`fuzz --long`): prompts past a block of 1024 pages at page_size 1 (past 64 pages at 16), where page
+# lists take a second block and the gathered keys a second thousand; a prompt sharing a deep prefix with the one before
+LONG_PROMPT = (1025, 1400)
+LONG_NEW = 4
+LONG_SEQ_LEN = 1536  # max_seq_len of the engines of a long-tier run: LONG_PROMPT's longest + LONG_NEW, rounded up
 CASE_VERSION = 2  # 2: the history a case needs; version 1 files (no history) are read too
 
 
@@ -34,6 +39,7 @@ class FuzzConfig:
     max_prefill_tokens: int  # the driver's token budget of one prefill step
     overlap: bool  # the loop of the main and forced runs; the other loop runs as the overlap-vs-simple check
     batch_invariant: bool = False  # EngineConfig.batch_invariant; adds the alone invariant (bitwise, per request)
+    max_seq_len: int = MAX_SEQ_LEN  # of every engine of the case: above any request its tier draws
 
     @property
     def num_pages(self) -> int:
@@ -43,7 +49,7 @@ class FuzzConfig:
         """EngineConfig fields (besides the model) of the engine under test."""
         return dict(dtype=getattr(torch, self.dtype), device=device, attention_backend=self.attention_backend,
                     ops_backend=self.attention_backend, page_size=self.page_size, max_running_req=self.slots,
-                    num_page_override=self.num_pages, max_seq_len_override=MAX_SEQ_LEN,
+                    num_page_override=self.num_pages, max_seq_len_override=self.max_seq_len,
                     cuda_graph_max_bs=None if self.graphs else 0, batch_invariant=self.batch_invariant)
 
     def eager_kwargs(self, device: str) -> Dict[str, Any]:
@@ -52,7 +58,7 @@ class FuzzConfig:
 
     def reference_kwargs(self, device: str) -> Dict[str, Any]:
         """The reference: one slot, page_size 1, no graphs, the same dtype and kernels, a pool for any request."""
-        return dict(self.engine_kwargs(device), page_size=1, max_running_req=1, num_page_override=MAX_SEQ_LEN,
+        return dict(self.engine_kwargs(device), page_size=1, max_running_req=1, num_page_override=self.max_seq_len,
                     cuda_graph_max_bs=0)
 
 
@@ -90,8 +96,8 @@ class Workload:
 @dataclass(frozen=True)
 class Failure:
     invariant: str  # runs, pool-pages, pool-writes, kv-reference, logits-reference, overlap-simple, repeat,
-    #                 graphs-eager, seeded-alone
-    stage: str  # the run it was seen in: main, forced, other-loop, repeat, eager-twin
+    #                 graphs-eager, process, seeded-alone, batch-invariant
+    stage: str  # the run it was seen in: main, forced, other-loop, repeat, eager-twin, process-twin, alone
     details: str
 
     def same_bug(self, other: "Failure") -> bool:

@@ -75,7 +75,8 @@ def _cmd(args: argparse.Namespace) -> int:
     budget = args.budget if args.budget is not None else DEFAULT_BUDGET[args.device.split(":")[0]]
     opts = FuzzOptions(model=model, device=args.device, dtype=args.dtype, seed=args.seed, budget=budget,
                        planted=args.plant, batch_invariant=True if args.batch_invariant or (
-                           args.plant and FAULTS[args.plant].batch_invariant) else None)
+                           args.plant and FAULTS[args.plant].batch_invariant) else None,
+                       long=args.long or bool(args.plant and FAULTS[args.plant].long))
     start, clock = time.monotonic(), progress.Stopwatch()
     with progress.bar(total=round(budget), desc="fuzz", unit="s", bar_format="{desc} {n:.0f}/{total} s, {postfix}"
                       ) as bar:
@@ -144,6 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plant", choices=list(FAULTS), help="plant a known fault in this process's engine and driver")
     p.add_argument("--batch-invariant", action="store_true", help="every configuration in batch-invariant mode "
                    "(EngineConfig.batch_invariant; default: drawn on cpu, off on cuda; on with the mode's --plant faults)")
+    p.add_argument("--long", action="store_true", help="the long tier: a prompt of 1025-1400 tokens in every case "
+                   "(past a block of 1024 pages at page_size 1), short requests decoding beside its chunks, deep "
+                   "shared prefixes (on with the long faults' --plant)")
     junit.add_flag(p)
     add_update_flag(p)
     p.set_defaults(func=_cmd)

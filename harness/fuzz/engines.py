@@ -19,10 +19,11 @@ WORKER_TIMEOUT = 900.0  # seconds one request to a worker may take (a reference 
 
 
 class EngineHost:
-    """The one Engine of this process, kept while the configuration stays the same."""
+    """The one Engine of this process, kept while the configuration stays the same. threads: the CPU thread count it
+    runs at (None: the engine's own, physical cores)."""
 
-    def __init__(self, model: ModelRef) -> None:
-        self.model = model
+    def __init__(self, model: ModelRef, threads: int | None = 1) -> None:
+        self.model, self.threads = model, threads
         self.kwargs: Dict[str, Any] | None = None
         self.engine: Engine | None = None
         self.builds = 0  # engines built so far: which one a case ran on
@@ -36,7 +37,8 @@ class EngineHost:
             self.builds += 1
             # A fuzz forward is a few small ops: one thread beats a team that meets at every op (17x on a shared
             # 2-core host), and every engine of a run uses the same count, so their CPU numerics are the same.
-            torch.set_num_threads(1)
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
         return self.engine
 
     def close(self) -> None:
@@ -49,43 +51,55 @@ class WorkerError(RuntimeError):
     """A worker's engine raised, or the worker died: the message holds its traceback."""
 
 
-def _serve(conn: Any, model: ModelRef) -> None:
+def _serve(conn: Any, model: ModelRef, threads: int | None, plant: str | None) -> None:
+    from harness.fuzz.faults import planted
     from harness.fuzz.runs import run_workload
 
-    host = EngineHost(model)
-    try:
-        while True:
-            cmd, payload = pickle.loads(conn.recv_bytes())
-            if cmd == "close":
-                return
-            try:
-                if cmd == "configure":
-                    host.get(payload)
-                    result: Any = None
-                else:
-                    result = run_workload(host.engine, payload)
-                conn.send_bytes(pickle.dumps((True, result)))
-            except Exception:
-                conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
-    finally:
-        host.close()
+    host = EngineHost(model, threads)
+    with planted(plant):  # a fault planted in a worker stays for its life
+        try:
+            while True:
+                cmd, payload = pickle.loads(conn.recv_bytes())
+                if cmd == "close":
+                    return
+                try:
+                    if cmd == "configure":
+                        host.get(payload)
+                        result: Any = None
+                    else:
+                        result = run_workload(host.engine, payload)
+                    conn.send_bytes(pickle.dumps((True, result)))
+                except Exception:
+                    conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+        finally:
+            host.close()
 
 
 class EngineWorker:
     """An Engine in a spawned process: configure(kwargs) builds it (when they changed), run(spec) runs a workload
-    on it (harness.fuzz.runs.run_workload) and returns the RunOutput."""
+    on it (harness.fuzz.runs.run_workload) and returns the RunOutput. threads: its CPU thread count (None: the
+    engine's own); plant: a planted fault (harness.fuzz.faults) active in that process."""
 
-    def __init__(self, name: str, model: ModelRef) -> None:
-        self.name = name
+    def __init__(self, name: str, model: ModelRef, threads: int | None = 1, plant: str | None = None) -> None:
+        self.name, self.model, self.threads, self.plant = name, model, threads, plant
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, model), daemon=True, name=f"fuzz-{name}")
+        self.proc = ctx.Process(target=_serve, args=(child, self.model, self.threads, self.plant), daemon=True,
+                                name=f"fuzz-{self.name}")
         self.proc.start()
         child.close()
         self.kwargs: Dict[str, Any] | None = None
 
-    def configure(self, kwargs: Dict[str, Any]) -> None:
+    def configure(self, kwargs: Dict[str, Any], fresh_process: bool = False) -> None:
+        """Build the engine of kwargs when they changed; fresh_process: then in a newly started process (its memory
+        laid out anew), so that a configuration's comparisons against this process are against another process."""
         if kwargs != self.kwargs:
+            if fresh_process and self.kwargs is not None:
+                self.close()
+                self._start()
             self._call("configure", kwargs)
             self.kwargs = kwargs
 

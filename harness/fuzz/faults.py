@@ -14,6 +14,15 @@ the fuzzer compares with (the reference, the eager twin) run in processes of the
   so MKL picks its kernel by M (GEMV at one row, a small-M kernel for leftover rows) as in the default mode.
 - attention-split-by-batch (batch-invariant mode): a batch of several requests is attended padded to its longest
   request, so each query's keys are summed in blocks whose lengths the batch chooses.
+- torch-keys-past-1024-from-first-block (long tier): the torch backend gathers a request's keys and values past its
+  first 1024 from the first block's slots (position p from p - 1024's), as a gather that forgets its block offset.
+- gemm-path-by-address: a projection's rows past 256 are summed over K in the other order when its input's address
+  has bit 12 set, as a BLAS whose kernel follows the data's alignment would: the bits follow where the allocator put
+  the activations, which differs from process to process (the process-twin run and tests/test_process_determinism.py
+  must see it).
+- page-ids-without-block-offset (CUDA, long tier): the paged-attention page-id gather (engine/kernels/page_ids.py)
+  loads every block of 1024 pages from the first block's place in the page table: a request past 1024 pages
+  attends over its first pages again.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from engine.attention import flashinfer_backend
 from engine.attention.flashinfer_backend import FlashInferBackend
-from engine.attention.torch_backend import TorchBackend
+from engine.attention.torch_backend import PerRequestMetadata, TorchBackend
 from engine.layers.ops import BatchInvariantOps, TorchOps
 from harness.driver import Driver
 
@@ -106,12 +117,47 @@ def _batch_padded_attention(original: Callable) -> Callable:
     return prepare_metadata
 
 
+def _gemm_path_by_address(original: Callable) -> Callable:
+    def linear(self: TorchOps, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               act: str | None = None) -> torch.Tensor:
+        out = original(self, x, weight, bias, act)
+        if x.shape[0] > 256 and (x.data_ptr() >> 12) & 1:
+            rows = (x if act is None else self.act_and_mul(x, act))[256:]
+            out[256:] = F.linear(rows.flip(-1), weight.flip(-1), bias)  # the same products, summed from K's end
+        return out
+    return linear
+
+
+BLOCK = 1024  # tokens (pages at page_size 1) the long faults read right
+
+
+def _keys_from_first_block(original: Callable) -> Callable:
+    def prepare_metadata(self: TorchBackend, batch: Any) -> None:
+        original(self, batch)
+        md = batch.attn_metadata
+        if isinstance(md, PerRequestMetadata):
+            segments = [md.kv_slots[r.kv_start: r.kv_end] for r in md.requests]
+        else:
+            segments = list(md.kv_slots)
+        for slots in segments:  # views: written in place
+            if slots.shape[0] > BLOCK:
+                slots[BLOCK:] = slots[: slots.shape[0] - BLOCK].clone()
+    return prepare_metadata
+
+
+def _page_ids_without_block_offset(original: Callable) -> Callable:
+    from harness.fuzz.faulty_kernels import page_ids_first_block
+
+    return page_ids_first_block
+
+
 @dataclass(frozen=True)
 class Fault:
     description: str
     device: str  # where it can show: cpu, cuda or any
     patches: List[Tuple[type, str, Callable[[Callable], Callable]]]  # (class, method, wrapper of the original)
     batch_invariant: bool = False  # it lives in batch-invariant mode's code: the search runs that mode only
+    long: bool = False  # it shows past a request's first 1024 tokens: the search runs the long tier
 
 
 FAULTS: Dict[str, Fault] = {
@@ -134,6 +180,15 @@ FAULTS: Dict[str, Fault] = {
     "attention-split-by-batch": Fault(
         "batch-invariant mode attends a batch of several requests padded to its longest (key blocks by the batch)",
         "cpu", [(TorchBackend, "prepare_metadata", _batch_padded_attention)], batch_invariant=True),
+    "gemm-path-by-address": Fault(
+        "a projection's rows past 256 summed over K in the other order when its input's address has bit 12 set "
+        "(bits that differ from process to process)", "cpu", [(TorchOps, "linear", _gemm_path_by_address)]),
+    "torch-keys-past-1024-from-first-block": Fault(
+        "the torch backend reads a request's keys and values past its first 1024 from the first block's slots", "any",
+        [(TorchBackend, "prepare_metadata", _keys_from_first_block)], long=True),
+    "page-ids-without-block-offset": Fault(
+        "the page-id gather loads every block of 1024 pages from the first block's place in the page table", "cuda",
+        [(flashinfer_backend, "page_ids", _page_ids_without_block_offset)], long=True),
 }
 
 

@@ -15,7 +15,10 @@
    (every step up to an EOS stop, after which the overlap loop wastes one), the same token wherever the logits are
    bitwise equal, the same K/V when every batch was the same.
 5. repeat: main again, without the pool checks (they synchronize): bitwise equal in everything.
-6. eager-twin (CUDA graphs on): main on the same engine without graphs: bitwise equal in everything.
+6. eager-twin (CUDA graphs on): main on the same engine without graphs, in a process of its own: bitwise equal in
+   everything. process-twin (graphs off): main on an engine of the same configuration in a process of its own, started
+   anew for each configuration: bitwise equal in everything (the same inputs and configuration give the same bits in
+   every process).
 7. seeded-alone: a request whose tokens do not depend on its uid (greedy or seeded) samples the reference's token
    wherever its logits are bitwise equal to the reference's, alone.
 8. alone (batch-invariant configurations): each request alone on the reference engine (one slot, page_size 1, the
@@ -33,20 +36,20 @@ from typing import Dict, List, Set
 
 from engine import Engine
 from harness import golden as G
-from harness.fuzz.case import MAX_SEQ_LEN, Failure, FuzzConfig, Past, RequestSpec, Workload
+from harness.fuzz.case import Failure, FuzzConfig, Past, RequestSpec, Workload
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
 from harness.fuzz.runs import Position, Reference, RunOutput, RunSpec, run_workload
 from harness.golden import TOP_K
 from harness.models import ModelRef, as_model
 from harness.parity.gate import tolerance
 
-STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin", "alone")
+STAGES = ("main", "forced", "other-loop", "repeat", "eager-twin", "process-twin", "alone")
 # need the main run besides their own
-COMPARISONS = ("overlap-simple", "repeat", "graphs-eager", "seeded-alone", "batch-invariant")
+COMPARISONS = ("overlap-simple", "repeat", "graphs-eager", "process", "seeded-alone", "batch-invariant")
 
 
 class Evaluator:
-    """The engines of a fuzz run (this process's engine under test, the reference and eager-twin workers) and the
+    """The engines of a fuzz run (this process's engine under test, the reference and twin workers) and the
     references computed so far. Counts what it checked in `counts`."""
 
     def __init__(self, model: ModelRef | str, device: str) -> None:
@@ -54,7 +57,7 @@ class Evaluator:
         self.model, self.device = model, device
         self.host = EngineHost(model)
         self.reference = EngineWorker("reference", model)
-        self.eager = EngineWorker("eager-twin", model) if device.startswith("cuda") else None
+        self.twin = EngineWorker("twin", model)  # the eager twin of a graph engine, else the same one
         self.references: Dict[tuple, Reference] = {}
         self.tolerances: Dict[str, tuple] = {}
         self.counts: Counter = Counter()
@@ -66,9 +69,8 @@ class Evaluator:
 
     def close(self) -> None:
         self.host.close()
-        for worker in (self.reference, self.eager):
-            if worker is not None:
-                worker.close()
+        for worker in (self.reference, self.twin):
+            worker.close()
 
     def fresh(self) -> None:
         """The next case runs on a newly built engine under test, with no history."""
@@ -79,8 +81,7 @@ class Evaluator:
         """Build (or keep) every engine the configuration needs, and load its tolerance; the vocabulary size."""
         self.tolerance(config.dtype)
         self.reference.configure(config.reference_kwargs(self.device))
-        if config.graphs and self.eager is not None:
-            self.eager.configure(config.eager_kwargs(self.device))
+        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True)
         return self.host.get(config.engine_kwargs(self.device)).config.model_config.vocab_size
 
     def tolerance(self, dtype: str) -> tuple:
@@ -145,12 +146,13 @@ class Evaluator:
             return compare_bitwise(main, out, "repeat", "repeat", self.counts), out
         if stage == "alone":
             return (self._alone(config, workload, free, main) if config.batch_invariant else None), None
-        if not config.graphs or self.eager is None:
+        if (stage == "eager-twin") != config.graphs:  # one twin a case: eager beside graphs, else the same engine
             return None, None
-        self.eager.configure(config.eager_kwargs(self.device))
-        out = self.eager.run(dataclasses.replace(free, stage="eager-twin"))
+        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True)
+        out = self.twin.run(dataclasses.replace(free, stage=stage))
         self.counts["runs"] += 1
-        return out.violation or compare_bitwise(main, out, "graphs-eager", "eager-twin", self.counts), out
+        invariant = "graphs-eager" if config.graphs else "process"
+        return out.violation or compare_bitwise(main, out, invariant, stage, self.counts), out
 
     def _alone(self, config: FuzzConfig, workload: Workload, free: RunSpec, main: RunOutput) -> Failure | None:
         """Each request alone, on the reference engine with the case's budget and prefix split and the other loop,
@@ -178,7 +180,7 @@ class Evaluator:
         if key not in self.references:
             self.reference.configure(kwargs)
             out = self.reference.run(RunSpec("reference", [list(r.prompt)], [r.params(ignore_eos=True)], [],
-                                             overlap=False, max_prefill_tokens=MAX_SEQ_LEN, capture=True))
+                                             overlap=False, max_prefill_tokens=config.max_seq_len, capture=True))
             if out.violation is not None:
                 raise WorkerError(f"the reference engine broke a pool invariant: {out.violation}")
             self.references[key] = out.references[0]

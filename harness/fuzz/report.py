@@ -30,6 +30,8 @@ A case is an engine configuration and a workload, both drawn by hypothesis (`har
   EOS stop, after which the overlap loop wastes a step), the same token wherever the logits are bitwise equal.
 - **repeat**: main again, without the per-step checks (they synchronize): bitwise equal in everything.
 - **eager-twin** (CUDA graphs on): main on the same engine without graphs, in a process of its own: bitwise equal.
+- **process-twin** (graphs off): main on an engine of the same configuration in a process of its own, started anew
+  for each configuration: bitwise equal (the same inputs give the same bits in every process).
 
 A failure is shrunk by hypothesis to a minimal workload, then a minimal configuration, failing the same invariant in
 the same run, and written as JSON; `python -m harness fuzz --replay FILE` runs that case again.

@@ -51,6 +51,7 @@ class FuzzOptions:
     planted: str | None = None
     folder: Path = FUZZ_DIR  # hypothesis/ (the example database) and cases/ (failures as JSON) under it
     batch_invariant: bool | None = None  # every configuration in batch-invariant mode, none, or drawn (None)
+    long: bool = False  # the long tier: prompts past a block of 1024 pages, many chunks, deep shared prefixes
 
 
 @dataclass
@@ -109,7 +110,8 @@ class _Search:
 
     def _key(self, what: str) -> bytes:
         o = self.opts
-        return json.dumps([what, name_of(o.model), o.device, o.dtype, o.planted]).encode()
+        tier = ["long"] if o.long else []  # the short tier's keys as they were
+        return json.dumps([what, name_of(o.model), o.device, o.dtype, o.planted] + tier).encode()
 
     def _now(self) -> float:
         """The budget's clock: seconds of search so far."""
@@ -120,7 +122,8 @@ class _Search:
 
     def run(self) -> FuzzConfig | None:
         try:
-            return find(configs(self.opts.device, self.opts.dtype, self.opts.batch_invariant), self._config_fails, settings=self._settings(200),
+            return find(configs(self.opts.device, self.opts.dtype, self.opts.batch_invariant, self.opts.long),
+                        self._config_fails, settings=self._settings(200),
                         random=Random(self.opts.seed), database_key=self._key("configurations"))
         except NoSuchExample:
             return None
@@ -195,7 +198,7 @@ class _Search:
         while self._now() < end and not target:
             n = max(2, min(MAX_CHUNK, int((end - self._now()) / self.seconds_per_case) + 1))
             try:
-                minimal = find(workloads(vocab), fails, settings=self._settings(n),
+                minimal = find(workloads(vocab, self.opts.long), fails, settings=self._settings(n),
                                random=Random(self.opts.seed * 1_000_003 + len(self.phases) * 1009 + chunk),
                                database_key=self._key(json.dumps(dataclasses.asdict(config))))
             except NoSuchExample:
