@@ -40,6 +40,26 @@ def stress(session: nox.Session) -> None:
 
 
 @nox.session
+def determinism(session: nox.Session) -> None:
+    """The same batched work in fresh processes over drawn model shapes and prompts past 256 and 1024 tokens, bitwise
+    (tests/test_process_determinism.py; `-- N` for another number of drawn cases, default 40), then the fuzzer's long
+    tier for 10 minutes. Not in the default sessions: about 30 minutes on 2 cores."""
+    _install(session)
+    examples = session.posargs[0] if session.posargs else "40"
+    session.run("python", "-m", "pytest", "tests/test_process_determinism.py", "-q",
+                env={"DETERMINISM_EXAMPLES": examples})
+    session.run("python", "-m", "harness", "fuzz", "--long", "--budget", "600")
+
+
+@nox.session(name="resolution-cells")
+def resolution_cells(session: nox.Session) -> None:
+    """The resolution of every committed CPU golden cell (golden/ and golden/long-context/) into
+    reports/resolution/cells.md (`-- --update-reports` for the committed table). Not by default: about two hours."""
+    _install(session)
+    session.run("python", "-m", "harness", "resolution", "--cells", *session.posargs)
+
+
+@nox.session
 def parity(session: nox.Session) -> None:
     """The engine against HF's golden files along every engine path, then the sampler's distribution tests."""
     _install(session)

@@ -78,6 +78,25 @@ class PlantedOProj(Engine):
             dict(self.model.named_parameters())["model.layers.1.self_attn.o_proj.weight"].mul_(1.02)
 
 
+class AddressDependent(Engine):
+    """This engine with every projection's rows past 256 scaled by 1.02 when its input's address has bit 12 set: a
+    kernel that follows where the allocator put the data, so that the bits (and the verdict) change from one process
+    to the next (harness.parity.rerun must say so)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        ops = next(m.ops for m in self.model.modules() if hasattr(m, "ops"))
+        plain = ops.linear
+
+        def linear(x, weight, bias=None, act=None):
+            out = plain(x, weight, bias, act)
+            if x.shape[0] > 256 and (x.data_ptr() >> 12) & 1:
+                out[256:] *= 1.02
+            return out
+
+        ops.linear = linear
+
+
 EXTRA_PASSES = 3
 
 

@@ -6,7 +6,6 @@ must pass every draw; the same draw with a planted fault must fail. The toleranc
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Dict
 
@@ -16,31 +15,15 @@ from hypothesis import strategies as st
 
 from harness import golden as G
 from harness import prompts as P
-from harness import zoo
 from harness.models import from_folder
 from harness.parity.explain import explain_failure
 from harness.parity.layer_faults import planted_in_layer
 from harness.parity.run import run_parity
+from seeded_models import ARCHS, seeded_folder
 
-ARCHS = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}
 PROMPTS = [{"prompt": "The capital of France is", "max_new_tokens": 8, "name": "capital"},
            {"prompt": "def fibonacci(n):\n    if n < 2:", "max_new_tokens": 6, "name": "code"},
            {"prompt": "Once upon a time, " * 12, "max_new_tokens": 4, "name": "story"}]
-
-
-def seeded_folder(folder: Path, arch: str, seed: int, **config: Any) -> Path:
-    """A model of architecture `arch` drawn from torch's generator at `seed` (HF's own init, normal x
-    initializer_range), saved as save_pretrained saves it, with SmolLM2's tokenizer."""
-    import transformers
-
-    cfg = getattr(transformers, ARCHS[arch])(**dict(dict(vocab_size=49152, max_position_embeddings=4096,
-                                                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                                                         pad_token_id=2), **config), architectures=[arch])
-    torch.manual_seed(seed)
-    getattr(transformers, arch)(cfg).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(zoo.TOKENIZER_ASSET / name, folder / name)
-    return folder
 
 
 @st.composite

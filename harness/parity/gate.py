@@ -138,6 +138,7 @@ class ParityResult:
     engine: str = subjects.OWN  # the engine under test (--engine, harness.subjects)
     engine_info: Dict[str, Any] | None = None  # a black box's own provenance (its kind, version)
     top_k: int | None = None  # the log-probabilities per position a black box returns (harness.compare.compare_topk)
+    nondeterministic: str = ""  # the failing path run again in a fresh process gave other bits (harness.parity.rerun)
 
     @property
     def mode_suffix(self) -> str:

@@ -219,6 +219,22 @@ def _judge_path(result: ParityResult, path: ParityPath, model: ModelRef, device:
     if was_passing and not result.passed:
         G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
         result.obtained = str(folder / "golden.obtained.npz")
+        if peer is None and result.tp == 1:  # a driven engine: is the failure the engine's every time?
+            _check_deterministic(result, path, model, device, dtype, full, run[0])
+
+
+def _check_deterministic(result: ParityResult, path: ParityPath, model: ModelRef, device: str, dtype: str,
+                         full: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]]) -> None:
+    """The failing path again in a fresh process: where the failing prompt's bits differ, the result says so."""
+    from harness.parity.failure import first_failure
+    from harness.parity.rerun import compare, run_again
+
+    uid = first_failure(result, path.name).prompt
+    logger.info("parity %s: path %s failed; running it again in a fresh process", model.name, path.name)
+    again = run_again(path, model, device, dtype, full, result.batch_invariant, result.engine, uid)
+    found = compare(stats[uid], again)
+    if found is not None:
+        result.nondeterministic = found.text()
 
 
 def _check(args: argparse.Namespace, models: List[ModelRef], dtypes: List[str],
