@@ -34,5 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for the probes (default 1: a probe's ops are small, and one thread beats a team "
                         "that meets at every op on a shared host)")
+    p.add_argument("--cells", action="store_true", help="every committed golden cell of the device (golden/ and "
+                   "golden/long-context/; --model narrows them): its parity gate against the engine families, into "
+                   "reports/resolution/cells.md (a run updates the rows of the cells it measured)")
     add_update_flag(p)
     p.set_defaults(func=cmd)

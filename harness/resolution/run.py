@@ -84,8 +84,38 @@ def _families(check: Check, chosen: Sequence[Family]) -> List[Family]:
     return [f for f in chosen if f.target == check.target and (names is None or f.name in names)]
 
 
+def cells_cmd(args: argparse.Namespace) -> int:
+    """--cells: every committed golden cell of this device (or of the --model names), its parity gate against the
+    engine families, into the cells table (harness.resolution.cells)."""
+    from harness.models import as_model
+    from harness.resolution import cells as C
+
+    device_type = args.device.split(":")[0]
+    names = set(args.model or [])
+    chosen = [c for c in C.committed(device_type) if not names or c.model in names]
+    if not chosen:
+        raise UserError(f"--cells: no committed golden of {device_type}" + (f" for {', '.join(sorted(names))}"
+                                                                              if names else "") + " under golden/")
+    families = [FAMILIES[f] for f in (args.family or C.FAMILY_ORDER)]
+    checks = [(cell, ParityCheck(as_model(cell.model, cell.golden_root), args.device, cell.dtype, args.path,
+                                 args.threads)) for cell in chosen]  # every golden read before the first probe
+    rows, where = [], ""
+    for cell, check in checks:
+        progress.line("resolution", f"cell {cell.key}", "start", 0.0)
+        result = measure(f"parity-{'fp32' if cell.dtype == 'float32' else 'bf16'}", check,
+                         _families(check, families), args.ratio, _print_row)
+        rows.append(C.row(cell, result, check.tol))
+        where = C.write(rows, args.update_reports)  # after every cell: a run cut short keeps what it measured
+    print(where)
+    return EXIT_FINDING if any(r["families"] and all(v["status"].startswith("not searched")
+                                                     for v in r["families"].values()) for r in rows) else EXIT_PASS
+
+
 def cmd(args: argparse.Namespace) -> int:
     check_device(args.device, flashinfer=args.device.startswith("cuda"))
+    if args.cells:
+        torch.set_num_threads(args.threads)
+        return cells_cmd(args)
     if args.ratio <= 1.0:
         raise UserError(f"--ratio {args.ratio}: the search's final bracket must be wider than 1; give e.g. 1.25")
     if args.fuzz_budget <= 0:
