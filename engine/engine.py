@@ -28,7 +28,7 @@ from engine.sample import BatchSamplingArgs, Sampler
 from engine.utils.device import create_event, create_stream, free_memory, is_cuda, physical_cores, set_stream
 from engine.utils.hf import check_model_dir
 from engine.utils.misc import align_up, gib
-from engine.utils.threads import fix_cpu_threads
+from engine.utils.threads import check_mkl_cnr, fix_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         else:
             fix_cpu_threads(max(1, physical_cores() // config.tp_info.size))  # not free to follow the load
+            check_mkl_cnr()  # nor to take another kernel in another process
         torch.manual_seed(config.seed)
         self.stream = create_stream(self.device)
         set_stream(self.stream)

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads its BLAS and OpenMP: neither may choose fewer threads by the machine's load (HF's runs included;
-# an Engine fixes the same itself, engine/utils/threads.py). docs/parity-determinism.md says why.
+# Before torch loads its BLAS and OpenMP: neither may choose fewer threads by the machine's load, nor MKL another kernel
+# in another process (HF's runs included; an Engine fixes the same itself, engine/utils/threads.py).
+# docs/parity-determinism.md says why.
 os.environ.update({"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"})
+from engine.utils.threads import MKL_CNR  # noqa: E402 (loads torch: after the environment its OpenMP reads)
+
+os.environ.setdefault("MKL_CBWR", MKL_CNR)  # read when MKL first computes
 
 import argparse
 import importlib

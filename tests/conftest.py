@@ -9,6 +9,9 @@ from typing import Callable, Iterator, List
 
 # before torch loads its BLAS and OpenMP, as python -m harness does (docs/parity-determinism.md)
 os.environ.update({"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"})
+from engine.utils.threads import MKL_CNR  # noqa: E402 (loads torch: after the environment its OpenMP reads)
+
+os.environ.setdefault("MKL_CBWR", MKL_CNR)  # read when MKL first computes
 
 import pytest
 import torch

@@ -110,3 +110,30 @@ def test_refreshed_spread_covers_the_thread_counts_and_keeps_a_larger_record(gol
     assert after["hf_spread_threads"] == sorted({1, min(2, physical_cores()), physical_cores()})
     assert after["hf_spread_max_abs_logprob"] == spread.stats["err_max"] == 0.5
     assert 0 < after["hf_spread"]["err_p99"] < 0.5
+
+
+@pytest.mark.parametrize("first", ["import engine", "import torch; torch.ones(4, 64) @ torch.ones(64, 8)"])
+def test_engine_computes_in_mkls_reproducible_mode(first: str) -> None:
+    """MKL in strict conditional-numerical-reproducibility mode (the same GEMM, the same kernel, in every process):
+    set when the engine package is imported, checked when an engine starts, and a warning naming the fix where MKL
+    computed before it could be set (engine.utils.threads)."""
+    code = (f"{first}\n"
+            "import logging, torch\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from engine import Engine, EngineConfig\n"
+            "from engine.distributed import DistributedInfo\n"
+            "from engine.utils.threads import mkl_cnr_mode\n"
+            "from harness import zoo\n"
+            f"e = Engine(EngineConfig(model_path=str(zoo.path({MODEL!r})), tp_info=DistributedInfo(0, 1), "
+            "device='cpu', dtype=torch.float32, num_page_override=64, max_seq_len_override=64))\n"
+            "print('mode', mkl_cnr_mode())\n"
+            "e.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(Path(__file__).parent.parent)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if first == "import engine":
+        assert "mode AUTO,STRICT" in out.stdout and "reproducibility" not in out.stderr, (out.stdout, out.stderr)
+    else:
+        assert "mode OFF" in out.stdout, out.stdout
+        assert "MKL computes with conditional numerical reproducibility OFF" in out.stderr, out.stderr
