@@ -110,6 +110,10 @@ def provenance(device: str, **extra: Any) -> Dict[str, Any]:
         "source_sha256": source_sha256(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if device == "cpu":
+        from engine.utils.threads import mkl_cnr_mode
+
+        prov["mkl_cnr"] = mkl_cnr_mode()  # MKL's reproducibility mode: bits the same in every process when on
     try:
         import flashinfer
 
