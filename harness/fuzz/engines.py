@@ -93,9 +93,14 @@ class EngineWorker:
         child.close()
         self.kwargs: Dict[str, Any] | None = None
 
-    def configure(self, kwargs: Dict[str, Any], fresh_process: bool = False) -> None:
+    def configure(self, kwargs: Dict[str, Any], fresh_process: bool = False, plant: str | None = None) -> None:
         """Build the engine of kwargs when they changed; fresh_process: then in a newly started process (its memory
-        laid out anew), so that a configuration's comparisons against this process are against another process."""
+        laid out anew), so that a configuration's comparisons against this process are against another process,
+        with `plant` planted there."""
+        if fresh_process and plant != self.plant:
+            self.close()
+            self.plant = plant
+            self._start()
         if kwargs != self.kwargs:
             if fresh_process and self.kwargs is not None:
                 self.close()

@@ -195,16 +195,27 @@ FAULTS: Dict[str, Fault] = {
 @contextmanager
 def planted(name: str | None) -> Iterator[None]:
     """Plant the named fault (None: nothing) for the duration of the block; restored on exit, even on error."""
+    global _active
     if name is None:
         yield
         return
     if name not in FAULTS:
         raise ValueError(f"unknown planted fault {name!r}; choose one of: {', '.join(FAULTS)}")
     originals = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in FAULTS[name].patches]
+    before, _active = _active, name
     try:
         for (cls, attr, wrap), (_, _, original) in zip(FAULTS[name].patches, originals):
             setattr(cls, attr, wrap(original))
         yield
     finally:
+        _active = before
         for cls, attr, original in originals:
             setattr(cls, attr, original)
+
+
+_active: str | None = None
+
+
+def active() -> str | None:
+    """The fault planted in this process now: the process twin plants it too, since it stands for this engine."""
+    return _active

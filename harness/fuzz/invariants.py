@@ -37,6 +37,7 @@ from typing import Dict, List, Set
 from engine import Engine
 from harness import golden as G
 from harness.fuzz.case import Failure, FuzzConfig, Past, RequestSpec, Workload
+from harness.fuzz.faults import active
 from harness.fuzz.engines import EngineHost, EngineWorker, WorkerError
 from harness.fuzz.runs import Position, Reference, RunOutput, RunSpec, run_workload
 from harness.golden import TOP_K
@@ -81,7 +82,7 @@ class Evaluator:
         """Build (or keep) every engine the configuration needs, and load its tolerance; the vocabulary size."""
         self.tolerance(config.dtype)
         self.reference.configure(config.reference_kwargs(self.device))
-        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True)
+        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True, plant=active())
         return self.host.get(config.engine_kwargs(self.device)).config.model_config.vocab_size
 
     def tolerance(self, dtype: str) -> tuple:
@@ -148,7 +149,7 @@ class Evaluator:
             return (self._alone(config, workload, free, main) if config.batch_invariant else None), None
         if (stage == "eager-twin") != config.graphs:  # one twin a case: eager beside graphs, else the same engine
             return None, None
-        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True)
+        self.twin.configure(config.eager_kwargs(self.device), fresh_process=True, plant=active())
         out = self.twin.run(dataclasses.replace(free, stage=stage))
         self.counts["runs"] += 1
         invariant = "graphs-eager" if config.graphs else "process"

@@ -20,6 +20,7 @@ import torch
 
 from engine.layers.rotary import cos_sin_table
 from engine.models.decoder import DecoderLayer
+from harness.parity.rerun import recorded
 from harness.resolution.faults import Patch, patched
 
 ATTENTION_SCALE = 1.25
@@ -93,5 +94,5 @@ FAULTS: Dict[str, tuple[Callable[[DecoderLayer], ContextManager[None]], str]] = 
 def planted_in_layer(name: str, layer: int) -> Iterator[None]:
     if name not in FAULTS:
         raise ValueError(f"unknown layer fault {name!r}; choose one of: {', '.join(FAULTS)}")
-    with patched([_in_layer(layer, FAULTS[name][0])]):
+    with recorded(planted_in_layer, name, layer), patched([_in_layer(layer, FAULTS[name][0])]):
         yield

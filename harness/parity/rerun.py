@@ -7,8 +7,9 @@ in some processes and passes it in others; its failure block then says so instea
 from __future__ import annotations
 
 import multiprocessing as mp
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Dict
+from typing import Any, Callable, ContextManager, Dict, Iterator, List
 
 import numpy as np
 
@@ -16,6 +17,23 @@ from harness import golden as G
 from harness.compare import PositionStat
 from harness.models import ModelRef
 from harness.parity.paths import ParityPath
+
+
+# What is planted in this process (a fault of harness.parity.layer_faults, say): (context-manager factory, its
+# arguments), both module-level so that they travel to the fresh process by name, which plants them again: a fault
+# planted on purpose is the same in every process, not a difference between them.
+PLANTED: List[tuple[Callable[..., ContextManager[Any]], tuple]] = []
+
+
+@contextmanager
+def recorded(factory: Callable[..., ContextManager[Any]], *args: Any) -> Iterator[None]:
+    """Record, while entered, that factory(*args) is planted here."""
+    entry = (factory, args)
+    PLANTED.append(entry)
+    try:
+        yield
+    finally:
+        PLANTED.remove(entry)
 
 
 @dataclass
@@ -37,19 +55,21 @@ class Nondeterminism:
 
 
 def _run(args: tuple) -> Dict[int, PositionStat]:
-    from harness.parity.run import run_path
-
-    path, model, device, dtype, gs, batch_invariant, engine, uid = args
-    stats, _, _ = run_path(path, model, device, dtype, gs, batch_invariant, engine)
+    planted, run_path, path, model, device, dtype, gs, batch_invariant, engine, uid = args
+    with ExitStack() as stack:
+        for factory, factory_args in planted:
+            stack.enter_context(factory(*factory_args))
+        stats, _, _ = run_path(path, model, device, dtype, gs, batch_invariant, engine)
     return stats[uid]
 
 
-def run_again(path: ParityPath, model: ModelRef, device: str, dtype: str, gs: G.GoldenSet, batch_invariant: bool,
-              engine: str, uid: int) -> Dict[int, PositionStat]:
-    """The path over the whole golden set (the failing run's company) in a newly spawned process: prompt uid's
-    statistics by position."""
+def run_again(run_path: Callable, path: ParityPath, model: ModelRef, device: str, dtype: str, gs: G.GoldenSet,
+              batch_invariant: bool, engine: str, uid: int) -> Dict[int, PositionStat]:
+    """run_path (harness.parity.run's, passed in: a module-level function travels to the child by name) over the
+    whole golden set (the failing run's company) in a newly spawned process, with what is PLANTED here planted there:
+    prompt uid's statistics by position."""
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run, ((path, model, device, dtype, gs, batch_invariant, engine, uid),))
+        return pool.apply(_run, ((list(PLANTED), run_path, path, model, device, dtype, gs, batch_invariant, engine, uid),))
 
 
 def compare(failed: Dict[int, PositionStat], again: Dict[int, PositionStat]) -> Nondeterminism | None:

@@ -20,10 +20,11 @@ from harness.driver import Driver
 from harness.models import ModelRef, as_model, resolve_models
 from harness.parity.gate import (ParityResult, dist_limits, evaluate, golden_row, hf_largest_err, own_spread,
                                  tie_tolerance, tolerance)
-from harness.parity.failure import failure_block
+from harness.parity.failure import failure_block, first_failure
 from harness.parity.paths import PATHS, ParityPath
 from harness.parity.plan import PathPlan as _PathPlan, plan_path
 from harness.parity.remote import REMOTE, REMOTE_PATHS, run_remote_path
+from harness.parity.rerun import compare, run_again
 from harness.parity.report import write_report
 from harness.report import REPO_ROOT
 from harness.subjects.base import Subject, check_top_k
@@ -153,11 +154,12 @@ def _judged(run: tuple, indices: List[int]) -> tuple:
 def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32", paths: List[str] | None = None,
                golden_root: Path | None = None, tp: int = 1, prompts: P.PromptSet | None = None,
                prompt: str | None = None, obtained_root: Path = OBTAINED_DIR,
-               batch_invariant: bool = False, engine: str = subjects.OWN) -> ParityResult:
+               batch_invariant: bool = False, engine: str = subjects.OWN, rerun_failure: bool = False) -> ParityResult:
     """Every path against the golden (under golden_root, default: the model's), or only its prompt `prompt`; on the
     first failing path the engine's result is written under obtained_root (build/parity/), and the first failure is
     shown (harness.parity.failure). batch_invariant: the engines in that mode (EngineConfig.batch_invariant); engine:
-    the engine under test (--engine, harness.subjects)."""
+    the engine under test (--engine, harness.subjects); rerun_failure: the failing path of a driven engine is run
+    again in a fresh process (harness.parity.rerun), and the result says whether its bits were the same."""
     full = G.load_checked(model, device.split(":")[0], dtype, golden_root, prompts)
     model = as_model(model, golden_root)
     indices = select_prompts(full, prompt)
@@ -183,7 +185,8 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
     by_tp = run_paths_tp(chosen, model, device, dtype, full, tp, batch_invariant) if tp > 1 else {}
     try:
         for path in chosen:
-            _judge_path(result, path, model, device, dtype, full, gs, indices, tol, limits, by_tp, peer, folder, clock)
+            _judge_path(result, path, model, device, dtype, full, gs, indices, tol, limits, by_tp, peer, folder, clock,
+                        rerun_failure)
     finally:
         if peer is not None:
             peer.close()
@@ -196,7 +199,8 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
 
 def _judge_path(result: ParityResult, path: ParityPath, model: ModelRef, device: str, dtype: str, full: G.GoldenSet,
                 gs: G.GoldenSet, indices: List[int], tol: float, limits: Dict[str, float] | None,
-                by_tp: Dict[str, tuple], peer: Subject | None, folder: Path, clock: progress.Stopwatch) -> None:
+                by_tp: Dict[str, tuple], peer: Subject | None, folder: Path, clock: progress.Stopwatch,
+                rerun_failure: bool) -> None:
     """One path run and judged into result; the first failing path's result is kept in the golden's format."""
     is_moe = result.router_tie is not None
     logger.info("parity %s %s %s: path %s", model.name, device, dtype, path.name)
@@ -219,19 +223,16 @@ def _judge_path(result: ParityResult, path: ParityPath, model: ModelRef, device:
     if was_passing and not result.passed:
         G.save(obtained_set(gs, stats, outputs, path), folder, stem="golden.obtained")
         result.obtained = str(folder / "golden.obtained.npz")
-        if peer is None and result.tp == 1:  # a driven engine: is the failure the engine's every time?
+        if rerun_failure and peer is None and result.tp == 1:  # a driven engine: the failure's every time?
             _check_deterministic(result, path, model, device, dtype, full, run[0])
 
 
 def _check_deterministic(result: ParityResult, path: ParityPath, model: ModelRef, device: str, dtype: str,
                          full: G.GoldenSet, stats: Dict[int, Dict[int, PositionStat]]) -> None:
     """The failing path again in a fresh process: where the failing prompt's bits differ, the result says so."""
-    from harness.parity.failure import first_failure
-    from harness.parity.rerun import compare, run_again
-
     uid = first_failure(result, path.name).prompt
     logger.info("parity %s: path %s failed; running it again in a fresh process", model.name, path.name)
-    again = run_again(path, model, device, dtype, full, result.batch_invariant, result.engine, uid)
+    again = run_again(run_path, path, model, device, dtype, full, result.batch_invariant, result.engine, uid)
     found = compare(stats[uid], again)
     if found is not None:
         result.nondeterministic = found.text()
@@ -292,7 +293,7 @@ def command(args: argparse.Namespace) -> int:
     for model in models:
         for dtype in dtypes:
             result = run_parity(model, args.device, dtype, args.path, tp=args.tp, prompts=prompts, prompt=args.prompt,
-                                batch_invariant=args.batch_invariant, engine=args.engine)
+                                batch_invariant=args.batch_invariant, engine=args.engine, rerun_failure=True)
             print(write_report(result, write_files=not args.no_report, update=args.update_reports))
             failed |= not result.passed
             suites.append(junit.parity_suite(result))
