@@ -114,8 +114,9 @@ def failure_block(result: ParityResult, gs: G.GoldenSet, tokenizer: Any) -> str 
         div = next(p.divergence for p in result.prompts if p.path == f.path and p.index == f.prompt)
         statistic += f" ({tokenizer.decode([div['golden_token']])!r} vs {tokenizer.decode([div['engine_token']])!r})"
     lines += [f"  failed: {statistic}",
-              f"  re-run this path, judging only this prompt (run in the same company): {rerun_command(result, f)}",
-              "  why: the same command with --explain compares each layer's residual stream with HF's"]
+              f"  re-run this path, judging only this prompt (run in the same company): {rerun_command(result, f)}"]
+    if result.engine == OWN:  # --explain hooks this engine's layers; another engine's are not the harness's to hook
+        lines.append("  why: the same command with --explain compares each layer's residual stream with HF's")
     if result.obtained:
         lines.append(f"  the engine's result, in the golden's format: {result.obtained}")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from harness.parity.gate import ParityResult
 from harness.parity.gate import __doc__ as rule
 from harness.parity.paths import PATHS
 from harness.parity.plot import plot_errors
-from harness.subjects import OWN, report_dir
+from harness.subjects import OWN, named, report_dir
 from harness.report import (markdown_table, provenance, provenance_markdown, text_table, write_json,
                             written_to)
 
@@ -113,7 +113,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
     tp += " in batch-invariant mode" if result.batch_invariant else ""
-    tp += f" (--engine {result.engine})" if result.engine != OWN else ""
+    tp += f" (--engine {named(result.engine, result.engine_info)})" if result.engine != OWN else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
             f"floor){_parts(result.hf_stats)})")
