@@ -152,7 +152,8 @@ def _cmd(args: argparse.Namespace) -> int:
             progress.line("golden", f"{what} check", "PASS" if ok else "DRIFT", clock.lap())
             print(f"{ref.name}: HF {'agrees with' if ok else 'DRIFTED from'} {folder}: {d}")
             for label, gs in (("committed", committed[ref.name]), ("HF now", fresh)):
-                print("\n".join(f"  {label}: {line}" for line in hf_referee.findings(gs.provenance)))
+                for line in hf_referee.findings(gs.provenance):  # HF's own bugs, in the golden and in HF today
+                    print(f"  {label}: {line}")
             status = status if ok else EXIT_FINDING
         else:
             save(fresh, folder)
