@@ -188,6 +188,7 @@ def test_sampling_through_the_openai_door_passes_this_engine(served: str, tmp_pa
                                                              capsys: pytest.CaptureFixture) -> None:
     rc, out, rows = _sampling(capsys, f"openai:{served}", tmp_path, "temperature-1", "top-k", "order", "greedy")
     assert rc == 0 and all(r["passed"] and not r["left_out"] for r in rows.values()), out
+    assert f"--engine openai:{served} (harness serve)" in (tmp_path / "sampling.md").read_text().splitlines()[0]
 
 
 # -------------------------------------------------------------------------------------- bench through doors

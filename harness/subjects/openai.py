@@ -68,7 +68,7 @@ class OpenAISubject(Subject):
             raise UserError(f"--engine openai:{url}: no server answers there ({e}); start it, or check the "
                             f"address") from None
         self.model = models[0]["id"]
-        self.server = " ".join(x for x in (models[0].get("owned_by"), self._version()) if x) or "unnamed"
+        self.server = " ".join(x for x in (models[0].get("owned_by"), self._version()) if x)
         self.top_k = TRIED_K[0]
         self._by_text: Dict[str, int] | None = None
 
