@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -62,12 +63,33 @@ def _workloads(vocab: int) -> Dict[str, Callable[[Subject], float]]:
     return out
 
 
+class TooNoisy(Exception):
+    """A row whose measurement the host's noise swamps: said in the row, not a crash of the run."""
+
+
 def _decode_step(subject: Subject, prompts: Callable[[], List[List[int]]]) -> float:
     step = (subject.timed(prompts(), 1 + STEPS) - subject.timed(prompts(), 1)) / STEPS
     if step <= 0:
-        raise RuntimeError(f"{STEPS} decode steps took no measurable time beyond a prefill: the host is too noisy for "
-                           f"this row")
+        raise TooNoisy(f"{STEPS} decode steps took no measurable time beyond a prefill")
     return step
+
+
+def _row(name: str, measure: Callable[[Subject], float], ours: Subject, peer: Subject, repeats: int) -> PeerRow:
+    """Both sides back to back, the order turning each repeat; a row the host is too noisy for says so."""
+    try:
+        for _ in range(WARMUP):
+            measure(ours)
+            measure(peer)
+        a, b = [], []
+        for r in range(repeats):
+            for side in ((ours, a), (peer, b))[::1 if r % 2 == 0 else -1]:
+                side[1].append(measure(side[0]))
+    except TooNoisy as e:
+        nan = float("nan")
+        return PeerRow(name, nan, nan, nan, nan, nan, f"not measured: {e}; the host is too noisy for it", repeats)
+    pr = paired_ratio(b, a)  # ref = the other engine, new = this one: > 1 when this one takes less time
+    verdict = {"faster": "this engine faster", "slower": "this engine slower"}.get(pr.verdict, pr.verdict)
+    return PeerRow(name, statistics.median(a), statistics.median(b), pr.ratio, pr.low, pr.high, verdict, repeats)
 
 
 def run_peer_bench(spec: str, model: ModelRef, repeats: int = REPEATS) -> tuple[List[PeerRow], Dict]:
@@ -82,18 +104,10 @@ def run_peer_bench(spec: str, model: ModelRef, repeats: int = REPEATS) -> tuple[
     try:
         for name, measure in _workloads(model.config.vocab_size).items():
             clock = progress.Stopwatch()
-            for _ in range(WARMUP):
-                measure(ours)
-                measure(peer)
-            a, b = [], []
-            for r in range(repeats):
-                for side in ((ours, a), (peer, b))[::1 if r % 2 == 0 else -1]:
-                    side[1].append(measure(side[0]))
-            pr = paired_ratio(b, a)  # ref = the other engine, new = this one: > 1 when this one takes less time
-            verdict = {"faster": "this engine faster", "slower": "this engine slower"}.get(pr.verdict, pr.verdict)
-            rows.append(PeerRow(name, statistics.median(a), statistics.median(b), pr.ratio, pr.low, pr.high, verdict,
-                                repeats))
-            progress.line("bench", f"{model.name} {name}", f"{pr.ratio:.2f}x", clock.lap())
+            rows.append(_row(name, measure, ours, peer, repeats))
+            ratio = rows[-1].ratio
+            progress.line("bench", f"{model.name} {name}", "not measured" if math.isnan(ratio) else f"{ratio:.2f}x",
+                          clock.lap())
     finally:
         peer.close()
         ours.close()

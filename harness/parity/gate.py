@@ -46,9 +46,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from harness import golden as G
+from harness import golden_files as G
 from harness import hf_referee, subjects
 from harness.compare import PositionStat
+from harness.hf_runs import spread_summary
 from harness.parity.paths import ParityPath
 
 SPREAD_FACTOR = 4.0
@@ -245,7 +246,7 @@ def tie_tolerance(tol: float, limits: Dict[str, float] | None) -> float:
 
 
 def path_stats(errs: List[float], kls: List[float]) -> Dict[str, float]:
-    summary = G.spread_summary(errs, kls)
+    summary = spread_summary(errs, kls)
     return {k: summary[k] for k in ("err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99")}
 
 
