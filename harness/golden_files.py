@@ -1,11 +1,15 @@
 """Golden files on disk, and the identity a golden must match before anything compares with it.
 
 <root>/<model>/<device>-<dtype>/golden.npz      per prompt: prompt ids, the greedy continuation, and at every prefill
-                                               and decode position the top-K log-probabilities with their token ids
-                                               (reference_err, reference_kl: HF's distance to float64 there)
+                                               and decode position the top-K log-probabilities with their token ids;
+                                               at every golden position, HF's runs measured (harness.golden_reference):
+                                               reference_err / _kl (the golden's rows against float64), variant_err /
+                                               _kl (each of HF's other settings against float64), spread_err / _kl
+                                               (each against the golden's rows), router_near_tie (MoE models)
 <root>/<model>/<device>-<dtype>/provenance.json versions, device, dtype, weights / tokenizer / prompt-set hashes, the
-                                               prompt set itself, HF's own spread (sdpa vs eager attention) and its
-                                               distance to float64 (harness.golden_reference), the command
+                                               prompt set itself, HF's settings measured (hf_variants), the referee's
+                                               verdict on them (harness.hf_referee: HF's spread and distance to
+                                               float64 where it agrees with float64, and where it does not), the command
 
 <root> is the repository's golden/ unless --golden-dir says otherwise. Every array is checked against the shapes the
 provenance gives; a golden made for other weights, tokenizer, prompts, dtype or device is refused with the command
@@ -30,6 +34,8 @@ from harness.models import GOLDEN_DIR, ModelRef, as_model, name_of
 IDENTITY_KEYS = ("model", "dtype", "device_type", "weights_sha256", "tokenizer_sha256", "prompt_set_sha256")
 ARRAYS = ("prompt_ids", "tokens", "prefill_ids", "prefill_lp", "decode_ids", "decode_lp")
 REFERENCE_ARRAYS = ("reference_err", "reference_kl")  # [P + T - 1] per prompt, in a golden with a float64 reference
+VARIANT_ARRAYS = ("variant_err", "variant_kl", "spread_err", "spread_kl")  # [V, P + T - 1]: V = len(hf_variants)
+HF_ARRAYS = REFERENCE_ARRAYS + VARIANT_ARRAYS + ("router_near_tie",)  # what golden_reference measures, all optional
 
 
 class GoldenError(UserError):
@@ -47,6 +53,11 @@ class PromptGolden:
     decode_lp: np.ndarray  # [T, K] float32
     reference_err: np.ndarray | None = None  # [P + T - 1] HF's distance to float64 at each position with a row
     reference_kl: np.ndarray | None = None
+    variant_err: np.ndarray | None = None  # [V, P + T - 1] each of HF's settings against float64 (NaN: unmeasured)
+    variant_kl: np.ndarray | None = None
+    spread_err: np.ndarray | None = None  # [V, P + T - 1] each of them against the golden's rows
+    spread_kl: np.ndarray | None = None
+    router_near_tie: np.ndarray | None = None  # [P + T - 1] bool: a router near tie in any of HF's runs (MoE)
 
 
 @dataclass
@@ -93,7 +104,7 @@ def save(gs: GoldenSet, folder: Path, stem: str = "golden") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     arrays: Dict[str, np.ndarray] = {}
     for i, p in enumerate(gs.prompts):
-        for field in ARRAYS + REFERENCE_ARRAYS:
+        for field in ARRAYS + HF_ARRAYS:
             if getattr(p, field) is not None:
                 arrays[f"{i}/{field}"] = getattr(p, field)
     np.savez_compressed(folder / f"{stem}.npz", **arrays)
@@ -111,18 +122,18 @@ def load(folder: Path) -> GoldenSet:
         prov = json.loads(prov_file.read_text())
         names = prov["prompt_names"]
         with np.load(npz) as data:
-            extra = set(data.files) - {f"{i}/{k}" for i in range(len(names)) for k in ARRAYS + REFERENCE_ARRAYS}
+            extra = set(data.files) - {f"{i}/{k}" for i in range(len(names)) for k in ARRAYS + HF_ARRAYS}
             if extra:
                 raise KeyError(f"arrays {sorted(extra)} belong to no prompt of provenance.json")
             prompts = [PromptGolden(name, *(data[f"{i}/{k}"] for k in ARRAYS),
-                                    *(data[f"{i}/{k}"] if f"{i}/{k}" in data.files else None for k in REFERENCE_ARRAYS))
+                                    *(data[f"{i}/{k}"] if f"{i}/{k}" in data.files else None for k in HF_ARRAYS))
                        for i, name in enumerate(names)]
         new_tokens = _new_tokens(prov, len(names))
         top_k = int(prov["top_k"])
     except (ValueError, KeyError, OSError, zipfile.BadZipFile, json.JSONDecodeError) as e:
         raise GoldenError(f"corrupt golden file in {folder}: {type(e).__name__}: {e}; regenerate it") from e
     for p, t in zip(prompts, new_tokens):
-        _check_shapes(p, t, top_k, npz)
+        _check_shapes(p, t, top_k, len(prov.get("hf_variants", [])), npz)
     return GoldenSet(prompts, prov)
 
 
@@ -138,20 +149,23 @@ def _new_tokens(prov: Dict[str, Any], n: int) -> List[int]:
     return [P.new_tokens(p) for p in rec.prompts]
 
 
-def _check_shapes(p: PromptGolden, t: int, k: int, npz: Path) -> None:
+def _check_shapes(p: PromptGolden, t: int, k: int, v: int, npz: Path) -> None:
     """Every array of a prompt against [P] for the prompt, [T] for the continuation, [P, K] and [T, K] for the top-K
-    ids (integers) and log-probabilities (floats); T and K from the provenance, P from the prompt's ids."""
+    ids (integers) and log-probabilities (floats), [P + T - 1] and [V, P + T - 1] for HF's runs measured; T, K and V
+    (hf_variants) from the provenance, P from the prompt's ids."""
     n = p.prompt_ids.shape[0] if p.prompt_ids.ndim == 1 and p.prompt_ids.size else -1
     want = {"prompt_ids": (n, "i"), "tokens": (t, "i"), "prefill_ids": (n, k, "i"), "prefill_lp": (n, k, "f"),
             "decode_ids": (t, k, "i"), "decode_lp": (t, k, "f")}
-    want.update({f: (n + t - 1, "f") for f in REFERENCE_ARRAYS if getattr(p, f) is not None})
+    want.update({f: (n + t - 1, "f") for f in REFERENCE_ARRAYS})
+    want.update({f: (v, n + t - 1, "f") for f in VARIANT_ARRAYS})
+    want["router_near_tie"] = (n + t - 1, "b")
+    names = {"i": "integers", "f": "floats", "b": "booleans"}
     for field, (*shape, kind) in want.items():
         a = getattr(p, field)
-        if a.shape != tuple(shape) or a.dtype.kind != kind:
-            what = "integers" if kind == "i" else "floats"
+        if a is not None and (a.shape != tuple(shape) or a.dtype.kind != kind):
             raise GoldenError(f"corrupt golden file {npz}: prompt {p.name!r}: {field} is {a.dtype} of shape "
-                              f"{a.shape}, where the provenance gives {what} of shape {tuple(shape)} "
-                              f"(top_k {k}, {t} new tokens, P = the prompt's length); regenerate it")
+                              f"{a.shape}, where the provenance gives {names[kind]} of shape {tuple(shape)} "
+                              f"(top_k {k}, {t} new tokens, {v} HF variants, P = the prompt's length); regenerate it")
 
 
 def check_identity(gs: GoldenSet, expected: Dict[str, str], folder: Path, command: str | None = None) -> None:

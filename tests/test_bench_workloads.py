@@ -1,7 +1,7 @@
 """The bench's workloads measure what their rows say: the decode steps they time attend over the stated context on
 average (prompts of the context itself averaged context + steps / 2) and are all of the stated batch size, in the
 bench and in the A/B runner (`--against`) alike; the decode graph's profiled replay is a step at that context; and a
-timed run does not pay for the garbage of what ran before it."""
+timed run does not pay for the garbage of what ran before it; a row the KV pool cannot hold is said, not run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from engine.core import SamplingParams
 from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.bench import ab_runner
-from harness.bench.workloads import decode_at, engine_decode, engine_offline, engine_prefill, engine_ttft
+from harness.bench.workloads import (BenchSpec, decode_at, decode_pages, engine_decode, engine_offline,
+                                     engine_prefill, engine_ttft, fit_batches)
 from harness.driver import Driver
 
 
@@ -114,3 +115,37 @@ def test_a_timed_run_starts_with_the_garbage_before_it_collected(workload):
         gc.enable()
         eng.shutdown()
     assert alive_at_calls and alive_at_calls[-1] is False, alive_at_calls
+
+
+SMALL = BenchSpec([16], [1, 2, 4], 32, [32, 200], 4, [], [], [4], (4, 8, 16), (2, 8), 1)
+POOL = 110  # pages (page size 1): each decode request holds 35 (29-token prompt + 6), so 3 fit at once and 4 do not
+
+
+def test_a_row_the_kv_pool_cannot_hold_is_a_line_and_every_other_row_is_written(tmp_path, monkeypatch):
+    """An engine whose KV pool holds three of the decode rows' requests at once (as qwen3-30b-a3b's pool beside its
+    61 GB of weights holds fewer than the 256 of its largest row on an 80 GB card): the bs 4 rows, and the decode
+    at a context longer than the pool, are reported with the pages they need and the pool has, not run; bs 3 (the
+    most it holds) takes their place; every other row is measured and written."""
+    from harness import report
+    from harness.bench.limits import measure_limits
+    from harness.bench.report import write_bench_report
+    from harness.bench.run import bench_model
+
+    per_request = decode_pages(SMALL.decode_ctx, SMALL.decode_steps, 1)
+    assert (per_request, fit_batches(SMALL.decode_bs, per_request, POOL)) == (35, ([1, 2, 3], [4]))
+    limits = measure_limits(torch.device("cpu"), torch.float32)
+    rows, _, _, _, unfit = bench_model("tiny-qwen3", "cpu", SMALL, limits, False, num_page_override=POOL)
+    assert [(u["runner"], u["workload"], u["batch_size"], u["length"], u["pages_needed"], u["pages_in_pool"])
+            for u in unfit] == [("engine", "decode", 4, 32, 140, POOL), ("engine", "decode_ctx", 1, 200, 203, POOL),
+                                ("engine-simple", "decode", 4, 32, 140, POOL)]
+    decode = [(r["runner"], r["batch_size"]) for r in rows if r["workload"] == "decode"]
+    assert decode == [("engine", 1), ("engine", 2), ("engine", 3), ("engine-simple", 3)], decode
+    assert all(r["samples"] > 0 and r["median_s"] > 0 for r in rows), [r for r in rows if not r.get("samples")]
+    assert {r["workload"] for r in rows} == {"decode", "decode_ctx", "prefill", "ttft", "offline", "offline_greedy",
+                                             "offline_subset"}
+    monkeypatch.setattr(report, "BUILD_REPORTS_DIR", tmp_path)
+    result = {"device": "cpu", "dtype": "float32", "limits": vars(limits), "spec": vars(SMALL), "rows": rows,
+              "unfit": unfit}
+    printed = write_bench_report(result)
+    assert "engine decode bs 4 len 32: not run, its requests need 140 KV pages at once and the pool has 110" in printed
+    assert "## Rows the KV pool cannot hold" in (tmp_path / "bench" / "cpu" / "tiny-qwen3" / "summary.md").read_text()

@@ -64,7 +64,8 @@ def test_a_distribution_failure_is_shown_at_its_largest_error_or_kl(key, at):
     assert first_failure(r).statistic.startswith(f"distribution gate over {2 * (LAST + 1)} positions: {key} ")
 
 
-def test_the_block_decodes_the_text_and_both_top_5_and_gives_the_rerun_command():
+def _failed_at_decode_step_2() -> tuple:
+    """A run whose prompt 3 fails at decode step 2 (its golden, the tokenizer, the prompt's prefill length)."""
     from transformers import AutoTokenizer
 
     gs = G.load_checked("tiny-qwen3", "cpu", "float32")
@@ -77,7 +78,12 @@ def test_the_block_decodes_the_text_and_both_top_5_and_gives_the_rerun_command()
     n = len(pg.prompt_ids)
     s[3][n + 1] = PositionStat(2 * TOL, 0.0, 0.0, int(pg.tokens[2]), pg.decode_ids[2], pg.decode_lp[2])
     r = result(*gate.evaluate(PATHS[0], gs, s, [], TOL))
-    tok = AutoTokenizer.from_pretrained(zoo.path("tiny-qwen3"))
+    return r, gs, AutoTokenizer.from_pretrained(zoo.path("tiny-qwen3")), n
+
+
+def test_the_block_decodes_the_text_and_both_top_5_and_gives_the_rerun_command():
+    r, gs, tok, n = _failed_at_decode_step_2()
+    pg = gs.prompts[3]
     block = failure_block(r, gs, tok).splitlines()
     assert block[0] == headline(r) and headline(r).endswith(f"prompt 3, position {n + 1} (decode step 2)")
     shown = block[1].split("predicted there: ", 1)[1]
@@ -86,6 +92,16 @@ def test_the_block_decodes_the_text_and_both_top_5_and_gives_the_rerun_command()
     assert block[2] == f"  golden top-5: {top}" and block[3] == f"  engine top-5: {top}"
     assert block[5] == ("  re-run this path, judging only this prompt (run in the same company): python -m harness "
                         "parity --model tiny-qwen3 --device cpu --dtype float32 --path batch --prompt 3")
+    assert block[6].startswith("  why: the same command with --explain")
+
+
+def test_the_block_offers_explain_only_where_it_can_run():
+    """--explain hooks this engine's layers, and refuses another engine: a black box's block does not offer it."""
+    r, gs, tok, _ = _failed_at_decode_step_2()
+    r.engine = "openai:http://127.0.0.1:8000"
+    block = failure_block(r, gs, tok)
+    assert "--explain" not in block
+    assert block.splitlines()[-1].endswith("--prompt 3 --engine openai:http://127.0.0.1:8000")
 
 
 def test_a_re_run_of_one_prompt_judges_it_in_the_company_it_was_judged_in():

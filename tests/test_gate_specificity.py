@@ -70,6 +70,8 @@ def test_a_correct_engine_passes_every_path_on_a_drawn_model_and_a_planted_fault
     folder = seeded_folder(tmp / "m", drawn["arch"], drawn["seed"], **drawn["config"])
     dtype = drawn["dtype"]
     make_golden(folder, tmp / "g", dtype)
+    off = G.load(G.golden_dir(from_folder(folder), "cpu", dtype, tmp / "g")).provenance["hf_off"]
+    assert off["counts"] == {}, (drawn, off)  # float64 never calls a correct HF wrong
     result = gate(folder, tmp / "g", dtype)
     assert result.passed, (drawn, result.failure, [(p.path, p.reason) for p in result.prompts + result.paths
                                                    if not p.passed])

@@ -81,11 +81,12 @@ def _rewrite(npz, change) -> None:
     np.savez_compressed(npz, **arrays)
 
 
-@pytest.mark.parametrize("array", G.ARRAYS)
+@pytest.mark.parametrize("array", G.ARRAYS + ("reference_err", "variant_err", "spread_kl"))
 @pytest.mark.parametrize("damage", ["row-short", "wrong-dtype"])
 def test_every_array_is_checked_against_the_provenance(golden_copy, array, damage):
-    """Each array of a prompt, one row short (or a column short, for the prompt and the continuation) or of the other
-    kind (float ids, integer log-probabilities), is refused, naming the file and the array."""
+    """Each array of a prompt, one row short (or a column short, for the prompt and the continuation; a setting short,
+    for HF's settings' runs) or of the other kind (float ids, integer log-probabilities), is refused, naming the file
+    and the array."""
     folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
     key = f"3/{array}"
 
@@ -133,12 +134,16 @@ def test_regeneration_rewrites_the_golden(golden_copy):
     assert run_parity(MODEL, paths=["batch"], golden_root=golden_copy).passed
 
 
+FLOAT64 = ("reference_err", "reference_kl", "variant_err", "variant_kl")  # what the float64 run measures
+
+
 def _strip_reference(folder) -> dict:
     """The golden as it was before the float64 reference: its arrays and provenance without it."""
     gs = G.load(folder)
     for p in gs.prompts:
-        p.reference_err = p.reference_kl = None
-    for key in [k for k in gs.provenance if k.startswith("hf_reference")]:
+        for field in FLOAT64:
+            setattr(p, field, None)
+    for key in [k for k in gs.provenance if k.startswith("hf_reference") or k.startswith("hf_off")]:
         del gs.provenance[key]
     G.save(gs, folder)
     return json.loads((folder / "provenance.json").read_text())
@@ -160,12 +165,15 @@ def test_a_golden_without_its_float64_reference_is_refused_then_the_command_adds
     assert err.startswith("error: ") and "\n" not in err and err.endswith(command), err
     assert main(command.split()[3:]) == 0
     after = json.loads((folder / "provenance.json").read_text())
-    assert {k: v for k, v in after.items() if not k.startswith("hf_reference")} == before, "provenance kept"
+    kept = [k for k in before if not k.startswith("hf_")] + ["hf_variants", "hf_router_near_ties"]
+    assert {k: after.get(k) for k in kept} == {k: before.get(k) for k in kept}, "the golden's identity kept"
     assert after["hf_reference"]["positions"] == sum(len(p.prompt_ids) + len(p.tokens) - 1
                                                      for p in G.load(folder).prompts)
+    assert after["hf_off"]["counts"] == {}
     data = np.load(folder / "golden.npz")
-    assert all(np.array_equal(data[k], v) for k, v in arrays.items()), "the golden's arrays kept"
-    assert {k.split("/")[1] for k in set(data.files) - set(arrays)} == {"reference_err", "reference_kl"}
+    rows = [k for k in arrays if k.split("/")[1] in G.ARRAYS]
+    assert rows and all(np.array_equal(data[k], arrays[k]) for k in rows), "the golden's rows kept"
+    assert {k.split("/")[1] for k in set(data.files) - set(arrays)} == set(FLOAT64)
     assert main(argv) == 0
 
 

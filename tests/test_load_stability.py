@@ -7,7 +7,6 @@ the count (default 3; `nox -s stress` runs 30)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -99,17 +98,26 @@ def test_engine_fixes_threads_whatever_the_environment(env: dict) -> None:
 
 
 def test_refreshed_spread_covers_the_thread_counts_and_keeps_a_larger_record(golden_copy: Path) -> None:
-    """--refresh-spread measures HF across 1, 2 and all cores' threads and keeps a larger spread recorded before
-    (another machine's) instead of replacing it."""
-    prov_file = G.golden_dir(MODEL, "cpu", "float32", golden_copy) / "provenance.json"
-    prov = json.loads(prov_file.read_text())
-    prov["hf_spread_max_abs_logprob"] = 0.5  # as if measured larger elsewhere
-    prov_file.write_text(json.dumps(prov))
-    spread = G.refresh_spread(MODEL, "cpu", torch.float32, root=golden_copy)
-    after = json.loads(prov_file.read_text())
-    assert after["hf_spread_threads"] == sorted({1, min(2, physical_cores()), physical_cores()})
-    assert after["hf_spread_max_abs_logprob"] == spread.stats["err_max"] == 0.5
-    assert 0 < after["hf_spread"]["err_p99"] < 0.5
+    """--refresh-spread measures HF across 1, 2 and all cores' threads and keeps, position by position, a larger value
+    recorded before (another machine's) instead of replacing it."""
+    G.refresh_spread(MODEL, "cpu", torch.float32, root=golden_copy)
+    folder = G.golden_dir(MODEL, "cpu", "float32", golden_copy)
+    gs = G.load(folder)
+    threads = sorted({1, min(2, physical_cores()), physical_cores()})
+    assert gs.provenance["hf_spread_threads"] == threads
+    assert gs.provenance["hf_variants"] == [f"{a}, {t} thread{'s' if t > 1 else ''}" for a in ("sdpa", "eager")
+                                            for t in threads]
+    larger = 2 * gs.provenance["hf_spread"]["err_max"]  # within what float64 allows a setting (hf_off's bound)
+    assert larger < gs.provenance["hf_off"]["bound"]
+    for field in ("spread_err", "variant_err"):  # as if eager, 1 thread lay that far on another machine
+        getattr(gs.prompts[0], field)[2, 5] = larger
+    G.save(gs, folder)
+    G.refresh_spread(MODEL, "cpu", torch.float32, root=golden_copy)
+    after = G.load(folder)
+    assert after.prompts[0].spread_err[2, 5] == after.prompts[0].variant_err[2, 5] == np.float32(larger)
+    assert after.provenance["hf_spread"]["err_max"] == after.provenance["hf_spread_max_abs_logprob"] == \
+        pytest.approx(larger)
+    assert after.provenance["hf_off"]["counts"] == {}
 
 
 @pytest.mark.parametrize("first", ["import engine", "import torch; torch.ones(4, 64) @ torch.ones(64, 8)"])

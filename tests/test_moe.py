@@ -5,6 +5,7 @@ against fp32, and its CUDA graphs."""
 from __future__ import annotations
 
 import collections
+import json
 from typing import Dict, List
 
 import numpy as np
@@ -21,6 +22,7 @@ from harness import golden as G
 from harness import zoo
 from harness.compare import ROUTER_TIE, PositionStat
 from harness.driver import Driver
+from harness.models import as_model
 from harness.parity.gate import dist_limits, evaluate, tie_tolerance, tolerance
 from harness.parity.paths import PATHS
 from harness.parity.report import write_report
@@ -179,21 +181,33 @@ def test_half_gate_leaves_router_near_ties_out_and_keeps_its_teeth():
     assert not result.passed and "router near ties left out" in result.reason, result.reason
 
 
-def test_hf_spread_of_a_moe_model_leaves_router_near_ties_out():
-    """HF's spread in bf16 (on the CPU here): the positions where neither sdpa nor eager is a router near tie make the
-    routed statistics, and sdpa's near ties are listed per sequence (its margins recomputed here agree)."""
-    sequences = _golden_sequences()[:4]
-    sdpa, eager = (G.hf_model(MODEL, "cpu", torch.bfloat16, attn=a) for a in ("sdpa", "eager"))
+def test_hf_spread_of_a_moe_model_leaves_router_near_ties_out(tmp_path):
+    """A bf16 golden (on the CPU here, of the default set's first four text prompts, 12 new tokens each): the
+    positions where none of HF's runs is a router near tie make the routed statistics, and the golden's own setting's
+    near ties (sdpa at this thread count) are listed per prompt (its margins recomputed here agree); none of HF's
+    settings is refuted for a flip."""
+    from harness import hf_referee
+    from harness import prompts as P
+
+    ref = as_model(MODEL)
+    four = [p for p in P.default_set(ref).prompts if "text" in p][:4]
+    (tmp_path / "four.jsonl").write_text("".join(json.dumps({"prompt": p["text"], "name": p["name"],
+                                                             "max_new_tokens": 12}) + "\n" for p in four))
+    gs = G.make_golden(ref, "cpu", torch.bfloat16, P.read_file(tmp_path / "four.jsonl"))
     tie = ROUTER_TIE["bfloat16"]
+    sdpa = G.hf_model(MODEL, "cpu", torch.bfloat16)
     with torch.inference_mode():
-        spread = G.hf_spread(sdpa, eager, sequences, "cpu", tie)
-        own = [np.nonzero(G.router_margins(sdpa(torch.tensor([s]), output_router_logits=True), len(s),
-                                            sdpa.config.num_experts_per_tok) <= tie)[0].tolist() for s in sequences]
-    routed, every = spread.routed, spread.stats
+        own = {p.name: [q for q in np.nonzero(G.router_margins(
+            sdpa(torch.tensor([s]), output_router_logits=True), len(s), sdpa.config.num_experts_per_tok) <= tie)[0]
+            if q < len(s) - 1] for p, s in zip(gs.prompts, [list(p.prompt_ids) + list(p.tokens) for p in gs.prompts])}
+    routed, every = gs.provenance["hf_spread_routed"], gs.provenance["hf_spread"]
     print(f"HF bf16 spread on the CPU: every position {every}; away from router near ties {routed}")
-    assert routed["positions"] + routed["near_tie_positions"] == every["positions"] == sum(map(len, sequences))
-    assert routed["near_tie_positions"] >= max(map(len, spread.near_ties)) > 0 and spread.near_ties == own
+    assert routed["positions"] + routed["near_tie_positions"] == every["positions"] == sum(
+        len(p.prompt_ids) + len(p.tokens) - 1 for p in gs.prompts)
+    ties = gs.provenance["hf_router_near_ties"]
+    assert routed["near_tie_positions"] >= max(map(len, ties.values())) > 0 and ties == own
     assert routed["kl_max"] <= every["kl_max"] and routed["router_tie"] == tie
+    assert gs.provenance["hf_off"]["counts"] == {} and hf_referee.judge(gs, tie).spread_routed == routed
 
 
 def test_half_gate_of_a_moe_golden_without_its_routed_spread_is_refused():

@@ -167,10 +167,28 @@ def test_sampling_through_the_openai_door_finds_and_names_min_p_untempered(serve
     assert "unseeded" in (tmp_path / "sampling.md").read_text()
 
 
+def test_a_server_that_refuses_every_sampling_case_is_told_in_one_line(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """A server that returns no log-probabilities (max_logprobs 0) refuses every case's request (HTTP 400): each case is
+    left out with what it said, and with none left to run the verb ends in one line (exit 2), never a traceback."""
+    server = Server("engine", zoo.path(MODEL), max_logprobs=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc, out = _run(capsys, "sampling", "--engine", f"openai:{server.url}", "--real-model", MODEL, "--draws", "10",
+                       "--out", str(tmp_path), "--case", "greedy", "--case", "top-k")
+    finally:
+        server.close()
+    last = out.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in out, out
+    assert last.startswith("error: ") and "refuses every sampling case" in last and "max_logprobs 0" in last, out
+    assert out.count("LEFT OUT") == 2, out
+
+
 def test_sampling_through_the_openai_door_passes_this_engine(served: str, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
-    rc, out, rows = _sampling(capsys, f"openai:{served}", tmp_path, "temperature-1", "top-k", "order")
-    assert rc == 0 and all(r["passed"] for r in rows.values()), out
+    rc, out, rows = _sampling(capsys, f"openai:{served}", tmp_path, "temperature-1", "top-k", "order", "greedy")
+    assert rc == 0 and all(r["passed"] and not r["left_out"] for r in rows.values()), out
+    assert f"--engine openai:{served} (harness serve)" in (tmp_path / "sampling.md").read_text().splitlines()[0]
 
 
 # -------------------------------------------------------------------------------------- bench through doors
@@ -201,3 +219,38 @@ def test_the_real_vllm_passes_parity_and_sampling(tmp_path: Path, capsys: pytest
     assert rc == 0, out
     rc, out, rows = _sampling(capsys, "vllm", tmp_path, "order", "min-p-temperature")
     assert rc == 0 and all(r["follows"] == "the spec's" for r in rows.values()), out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.vllm
+def test_vllms_own_server_holds_every_door(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """vLLM's OpenAI server, as `vllm serve` runs (fp32): parity passes through the `openai:` door, every sampling
+    case runs (greedy too: vLLM refuses n > 1 at temperature 0, and the door asks it one choice a request), the bench
+    runs, and each report names the server."""
+    from harness import report
+    from harness.subjects.vllm_server import served
+
+    try:
+        interpreter()
+    except Exception as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(report, "BUILD_REPORTS_DIR", tmp_path)
+    with served(zoo.path(MODEL), _free_port()) as url:
+        spec = f"openai:{url}"
+        rc, out = _run(capsys, "parity", "--model", MODEL, "--engine", spec, "--no-sampling", "--path", "batch")
+        assert rc == 0 and f"(--engine {spec} (vllm 0." in out, out
+        rc, out, rows = _sampling(capsys, spec, tmp_path / "sampling", "greedy", "top-k", "order")
+        assert rc == 0 and all(r["passed"] and not r["left_out"] for r in rows.values()), out
+        assert f"--engine {spec} (vllm 0." in (tmp_path / "sampling" / "sampling.md").read_text().splitlines()[0]
+        rc, out = _run(capsys, "bench", "--engine", spec, "--model", MODEL, "--repeats", "2")
+        assert rc == 0, out
+    peer = next((tmp_path / "peers").glob("*/bench/cpu/*/peer.md")).read_text()
+    assert f"--engine {spec} (vllm 0." in peer.splitlines()[0], peer[:300]

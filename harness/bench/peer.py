@@ -5,8 +5,8 @@ runs); then for every workload, REPEATS times, each side runs it back to back, t
 whatever the host does meanwhile hits both. A row's ratio is the other engine's time over this engine's (> 1: this
 engine is faster), exp of the mean paired log ratio with its t-interval (harness.bench.ab_stats.paired_ratio).
 
-Workloads, on random token ids (no EOS stop): the time to the first token of one prompt of 128 and 512 tokens (in
-each repeat the median of TTFT_RUNS), and
+Workloads, on random token ids (no EOS stop; every call its own, so that no prefix cache serves it): the time to the
+first token of one prompt of 128 and 512 tokens (in each repeat the median of TTFT_RUNS), and
 the period of a decode step at batch 1 and 8 over a context of about CTX tokens: (the time of 1 + STEPS tokens - the
 time of 1 token) / STEPS, the two timed in the same repeat.
 """
@@ -14,10 +14,12 @@ time of 1 token) / STEPS, the two timed in the same repeat.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from harness import EXIT_PASS, progress, report, subjects
 from harness.bench.ab_stats import paired_ratio
@@ -43,25 +45,51 @@ class PeerRow:
     repeats: int
 
 
-def _workloads(vocab: int) -> Dict[str, tuple]:
-    """name -> (prompts, how to time them on a subject)."""
-    out: Dict[str, tuple] = {}
+def _workloads(vocab: int) -> Dict[str, Callable[[Subject], float]]:
+    """name -> how to time it on a subject. Every timed call gets prompts of its own (random ids of the same lengths):
+    a server that caches prefixes (vLLM's does by default) would otherwise answer a repeated prompt from its cache."""
+    calls = itertools.count(1)
+
+    def fresh(n: int, bs: int) -> List[List[int]]:
+        base = 1_000_003 * next(calls)
+        return [random_ids(n, vocab, seed=base + i) for i in range(bs)]
+
+    out: Dict[str, Callable[[Subject], float]] = {}
     for n in TTFT_LENGTHS:
-        prompts = [random_ids(n, vocab, seed=n)]
-        out[f"ttft {n} tokens"] = (prompts, lambda s, p=prompts: statistics.median(s.timed(p, 1)
-                                                                                 for _ in range(TTFT_RUNS)))
+        out[f"ttft {n} tokens"] = lambda s, n=n: statistics.median(s.timed(fresh(n, 1), 1) for _ in range(TTFT_RUNS))
     for bs in DECODE_BATCHES:
-        prompts = [random_ids(decode_prompt_len(CTX, STEPS), vocab, seed=1000 + i) for i in range(bs)]
-        out[f"decode step, batch {bs}, ctx {CTX}"] = (prompts, lambda s, p=prompts: _decode_step(s, p))
+        out[f"decode step, batch {bs}, ctx {CTX}"] = lambda s, bs=bs: _decode_step(
+            s, lambda: fresh(decode_prompt_len(CTX, STEPS), bs))
     return out
 
 
-def _decode_step(subject: Subject, prompts: List[List[int]]) -> float:
-    step = (subject.timed(prompts, 1 + STEPS) - subject.timed(prompts, 1)) / STEPS
+class TooNoisy(Exception):
+    """A row whose measurement the host's noise swamps: said in the row, not a crash of the run."""
+
+
+def _decode_step(subject: Subject, prompts: Callable[[], List[List[int]]]) -> float:
+    step = (subject.timed(prompts(), 1 + STEPS) - subject.timed(prompts(), 1)) / STEPS
     if step <= 0:
-        raise RuntimeError(f"{STEPS} decode steps took no measurable time beyond a prefill of {len(prompts)} prompts: "
-                           f"the host is too noisy for this row")
+        raise TooNoisy(f"{STEPS} decode steps took no measurable time beyond a prefill")
     return step
+
+
+def _row(name: str, measure: Callable[[Subject], float], ours: Subject, peer: Subject, repeats: int) -> PeerRow:
+    """Both sides back to back, the order turning each repeat; a row the host is too noisy for says so."""
+    try:
+        for _ in range(WARMUP):
+            measure(ours)
+            measure(peer)
+        a, b = [], []
+        for r in range(repeats):
+            for side in ((ours, a), (peer, b))[::1 if r % 2 == 0 else -1]:
+                side[1].append(measure(side[0]))
+    except TooNoisy as e:
+        nan = float("nan")
+        return PeerRow(name, nan, nan, nan, nan, nan, f"not measured: {e}; the host is too noisy for it", repeats)
+    pr = paired_ratio(b, a)  # ref = the other engine, new = this one: > 1 when this one takes less time
+    verdict = {"faster": "this engine faster", "slower": "this engine slower"}.get(pr.verdict, pr.verdict)
+    return PeerRow(name, statistics.median(a), statistics.median(b), pr.ratio, pr.low, pr.high, verdict, repeats)
 
 
 def run_peer_bench(spec: str, model: ModelRef, repeats: int = REPEATS) -> tuple[List[PeerRow], Dict]:
@@ -74,20 +102,12 @@ def run_peer_bench(spec: str, model: ModelRef, repeats: int = REPEATS) -> tuple[
         raise
     rows, info = [], peer.provenance()
     try:
-        for name, (_, measure) in _workloads(model.config.vocab_size).items():
+        for name, measure in _workloads(model.config.vocab_size).items():
             clock = progress.Stopwatch()
-            for _ in range(WARMUP):
-                measure(ours)
-                measure(peer)
-            a, b = [], []
-            for r in range(repeats):
-                for side in ((ours, a), (peer, b))[::1 if r % 2 == 0 else -1]:
-                    side[1].append(measure(side[0]))
-            pr = paired_ratio(b, a)  # ref = the other engine, new = this one: > 1 when this one takes less time
-            verdict = {"faster": "this engine faster", "slower": "this engine slower"}.get(pr.verdict, pr.verdict)
-            rows.append(PeerRow(name, statistics.median(a), statistics.median(b), pr.ratio, pr.low, pr.high, verdict,
-                                repeats))
-            progress.line("bench", f"{model.name} {name}", f"{pr.ratio:.2f}x", clock.lap())
+            rows.append(_row(name, measure, ours, peer, repeats))
+            ratio = rows[-1].ratio
+            progress.line("bench", f"{model.name} {name}", "not measured" if math.isnan(ratio) else f"{ratio:.2f}x",
+                          clock.lap())
     finally:
         peer.close()
         ours.close()
@@ -106,7 +126,7 @@ def command(args: argparse.Namespace) -> int:
         out = subjects.report_dir(args.engine, args.update_reports) / "bench" / args.device / model.name
         prov = report.provenance(args.device, model=model.name, engine=args.engine, engine_provenance=info)
         table = [asdict(r) for r in rows]
-        md = (f"# This engine against `--engine {args.engine}`: {model.name}, {args.device}\n\n"
+        md = (f"# This engine against `--engine {subjects.named(args.engine, info)}`: {model.name}, {args.device}\n\n"
               f"{__doc__.split(chr(10), 1)[1]}\n`engine_s` / `peer_s`: medians in seconds; `ratio`: the other's "
               f"time / this engine's, 95% interval [low, high]. Wall time {time.perf_counter() - start:.0f} s.\n\n"
               f"{report.markdown_table(table, COLUMNS)}\n## Provenance\n{report.provenance_markdown(prov)}")

@@ -226,7 +226,13 @@ def _plots(rows: List[Dict[str, Any]], out: Path) -> List[str]:
     return made
 
 
-PER_MODEL = ("rows", "profiles", "prefill_profiles", "gemms")  # the result's lists, each row naming its model
+PER_MODEL = ("rows", "profiles", "prefill_profiles", "gemms", "unfit")  # the result's lists, each row naming its model
+
+
+def _unfit_lines(unfit: List[Dict[str, Any]]) -> List[str]:
+    """The rows the engine's KV pool cannot hold, a line each: not run."""
+    return [f"{u['runner']} {u['workload']} bs {u['batch_size']} len {u['length']}: not run, its requests need "
+            f"{u['pages_needed']:,} KV pages at once and the pool has {u['pages_in_pool']:,}" for u in unfit]
 
 
 def model_result(result: Dict[str, Any], model: str) -> Dict[str, Any]:
@@ -259,6 +265,7 @@ def _write_model_report(result: Dict[str, Any], out: Path, update: bool) -> List
     tgt = targets(result)
     write_json(out / "bench.json", dict(result, provenance=prov, targets=tgt))
     plots = _plots(rows, out)
+    unfit = _unfit_lines(result.get("unfit", []))
     lim = result["limits"]
     md = (f"# Benchmarks on {prov['device_name']} ({result['dtype']})\n\n"
           + (f"{result['note']}\n\n" if result.get("note") else "") +
@@ -279,6 +286,10 @@ def _write_model_report(result: Dict[str, Any], out: Path, update: bool) -> List
           f"## Targets\n{markdown_table(tgt)}\n{anchors_section(result)}{_profile_section(result.get('profiles', []))}"
           f"{_prefill_section(result.get('prefill_profiles', []))}"
           f"{gemm_section(result.get('gemms', []))}"
+          + ("## Rows the KV pool cannot hold\nThe batch sizes follow the KV pool the engine got beside its weights "
+             "(a row whose requests need more pages at once than it has is not run; the largest batch it holds, "
+             "rounded down to a multiple of 8, takes its place):\n\n" + "".join(f"- {line}\n" for line in unfit) +
+             "\n" if unfit else "") +
           "## Every measurement\n"
           f"{markdown_table(rows, [c for c in COLUMNS if c in frame.columns])}\n"
           "offline: the nano-vllm / mini-sglang workload (random.seed(0), input and output lengths randint"
@@ -291,4 +302,4 @@ def _write_model_report(result: Dict[str, Any], out: Path, update: bool) -> List
     (out / "summary.md").write_text(md)
     verdict = {True: "met", False: "NOT met", "-": "-"}
     return ([f"  {t['model']}: {t['target']}: {t['reached']} ({verdict[t['met']]})" for t in tgt]
-            + [written_to(out / "summary.md", update)])
+            + [f"  {line}" for line in unfit] + [written_to(out / "summary.md", update)])

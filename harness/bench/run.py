@@ -25,8 +25,9 @@ from harness.bench.long_context import bench_long
 from harness.bench.profile import bound, host_parts, prefill_bound, profile_prefill, profile_replay
 from harness.bench.report import write_bench_report
 from harness.bench.gemm import gemm_rows
-from harness.bench.workloads import (SPECS, BenchSpec, decode_at, engine_decode, engine_offline, engine_prefill,
-                                     engine_ttft, hf_decode, hf_offline, hf_prefill, median, offline_workload, spread)
+from harness.bench.workloads import (SPECS, BenchSpec, decode_at, decode_pages, engine_decode, engine_offline,
+                                     engine_prefill, engine_ttft, fit_batches, hf_decode, hf_offline, hf_prefill,
+                                     median, offline_workload, spread)
 from harness.driver import Driver
 from harness.models import ModelRef, as_model, resolve_models
 
@@ -57,12 +58,22 @@ def _progress(row: Dict[str, Any], clock: progress.Stopwatch) -> Dict[str, Any]:
 
 
 def _engine(model: ModelRef, device: str, dtype: str, spec: BenchSpec, graphs: bool,
-            batch_invariant: bool = False) -> Engine:
+            batch_invariant: bool = False, **config: Any) -> Engine:
+    """config: further EngineConfig fields (a test's small KV pool: num_page_override)."""
     return Engine(EngineConfig(
         model_path=str(model.folder), tp_info=DistributedInfo(0, 1), dtype=getattr(torch, dtype), device=device,
         max_running_req=max(max(spec.decode_bs), spec.offline[0]), use_dummy_weight=not model.has_weights,
         max_seq_len_override=max(max(spec.prefill_lengths), max(spec.latency_ctx), 2 * spec.offline[2]) + 64,
-        cuda_graph_max_bs=None if graphs else 0, batch_invariant=batch_invariant))
+        cuda_graph_max_bs=None if graphs else 0, batch_invariant=batch_invariant, **config))
+
+
+def _unfit(model: str, runner: str, workload: str, bs: int, ctx: int, need: int, have: int,
+           clock: progress.Stopwatch) -> Dict[str, Any]:
+    """A row the KV pool cannot hold: its requests need more pages at once than the engine's pool has. Not run; said."""
+    row = {"model": model, "runner": runner, "workload": workload, "batch_size": bs, "length": ctx,
+           "pages_needed": need, "pages_in_pool": have}
+    progress.line("bench", f"{model} {runner} {workload} bs {bs} len {ctx}", "does not fit", clock.lap())
+    return row
 
 
 def _hf(model: ModelRef, device: str, dtype: str) -> Any:
@@ -83,9 +94,11 @@ def _decode_rows(model: str, runner: str, driver: Driver, bs: int, ctx: int, spe
     return row, records
 
 
-def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limits,
-                with_hf: bool) -> tuple[List, List, List, List]:
-    """(rows, decode profiles, GEMMs at M = 1 on CUDA, prefill profiles on CUDA) of one model."""
+def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limits, with_hf: bool,
+                **config: Any) -> tuple[List, List, List, List, List]:
+    """(rows, decode profiles, GEMMs at M = 1 on CUDA, prefill profiles on CUDA, rows the KV pool cannot hold) of one
+    model. Decode batch sizes follow the KV pool the engine got (workloads.fit_batches); config: further EngineConfig
+    fields."""
     ref = as_model(ref)
     model = ref.name
     dtype = DTYPES[device.split(":")[0]]
@@ -93,24 +106,33 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
     profiles: List[Dict[str, Any]] = []
     prefills: List[Dict[str, Any]] = []
     gemms: List[Dict[str, Any]] = []
+    unfit: List[Dict[str, Any]] = []
     prompts, outs = offline_workload(*spec.offline)
     n_hf, cap = spec.hf_offline
     sub_prompts, sub_outs = prompts[:n_hf], [min(o, cap) for o in outs[:n_hf]]
     on_gpu, clock = device.startswith("cuda"), progress.Stopwatch()
     for runner, graphs in [("engine", True)] + ([("engine-eager", False)] if on_gpu and spec.eager else []):
-        engine = _engine(ref, device, dtype, spec, graphs)
+        engine = _engine(ref, device, dtype, spec, graphs, **config)
         cost, vocab = model_cost(engine), engine.config.model_config.vocab_size
         # the driver's defaults, as a user's: at its prefill budget (4096 tokens) 36 of the offline workload's 38
         # prefill batches replay prefill graphs (up to 4096 tokens and 8 requests), where at 8192 18 of 19 ran
         # eagerly (the offline run on the H200, one engine, alternating: 5.784 / 5.746 s at 8192, 5.721 / 5.710 at 4096)
         driver = Driver(engine)
+        pool, per_request = driver.pages.num_pages, decode_pages(spec.decode_ctx, spec.decode_steps, driver.page_size)
         try:
-            for bs in spec.decode_bs:
+            batches, refused = fit_batches(spec.decode_bs, per_request, pool)
+            unfit += [_unfit(model, runner, "decode", bs, spec.decode_ctx, bs * per_request, pool, clock)
+                      for bs in refused]
+            for bs in batches:
                 row, records = _decode_rows(model, runner, driver, bs, spec.decode_ctx, spec, vocab, cost, limits)
                 rows.append(_progress(row, clock))
                 if on_gpu:
                     profiles.append(_profile(model, runner, engine, bs, records, driver, spec.decode_ctx, vocab))
             for ctx in spec.latency_ctx:
+                need = decode_pages(ctx, spec.decode_steps, driver.page_size)
+                if need > pool:
+                    unfit.append(_unfit(model, runner, "decode_ctx", 1, ctx, need, pool, clock))
+                    continue
                 rows.append(_progress(_decode_rows(model, runner, driver, 1, ctx, spec, vocab, cost, limits,
                                                    "decode_ctx")[0], clock))
             for n in spec.prefill_lengths:
@@ -126,7 +148,10 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
             if runner != "engine":
                 continue
             simple = Driver(engine, overlap=False)
-            for bs in spec.simple_bs:
+            batches, refused = fit_batches(spec.simple_bs, per_request, pool)
+            unfit += [_unfit(model, "engine-simple", "decode", bs, spec.decode_ctx, bs * per_request, pool, clock)
+                      for bs in refused]
+            for bs in batches:
                 rows.append(_progress(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab,
                                                    cost, limits)[0], clock))
             # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs
@@ -144,7 +169,7 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
         rows += bench_long(model, device, dtype, spec, limits, _row)
     if with_hf:
         rows += _bench_hf(ref, device, dtype, spec, limits, cost, vocab, sub_prompts, sub_outs)
-    return rows, profiles, gemms, prefills
+    return rows, profiles, gemms, prefills, unfit
 
 
 def _host_columns(host: Dict[str, float]) -> Dict[str, float]:
@@ -232,12 +257,12 @@ def run_bench(device: str, models: List[ModelRef | str], with_hf: bool = True) -
     spec = SPECS[f"{dev.type}-moe" if all(moe) and f"{dev.type}-moe" in SPECS else dev.type]
     limits = measure_limits(dev, getattr(torch, DTYPES[dev.type]))
     logger.info("limits: %.1f GB/s, %.2f TFLOP/s", limits.bandwidth / 1e9, limits.matmul_flops / 1e12)
-    rows, profiles, gemms, prefills = [], [], [], []
+    rows, profiles, gemms, prefills, unfit = [], [], [], [], []
     for ref in refs:
-        r, p, g, f = bench_model(ref, str(dev), spec, limits, with_hf)
-        rows, profiles, gemms, prefills = rows + r, profiles + p, gemms + g, prefills + f
+        r, p, g, f, u = bench_model(ref, str(dev), spec, limits, with_hf)
+        rows, profiles, gemms, prefills, unfit = rows + r, profiles + p, gemms + g, prefills + f, unfit + u
     return {"device": str(dev), "dtype": DTYPES[dev.type], "limits": vars(limits), "spec": vars(spec), "rows": rows,
-            "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms}
+            "profiles": profiles, "prefill_profiles": prefills, "gemms": gemms, "unfit": unfit}
 
 
 def command(args: argparse.Namespace) -> int:

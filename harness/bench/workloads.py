@@ -7,7 +7,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -113,6 +113,22 @@ def decode_prompt_len(ctx: int, steps: int) -> int:
     steps: the engine's average is within half a token of ctx, HF's within one (prompts of ctx averaged ctx +
     (steps + 3) / 2: 529.5 at 512 with 32 steps)."""
     return max(1, ctx - (steps + 3) // 2)
+
+
+def decode_pages(ctx: int, steps: int, page_size: int) -> int:
+    """The KV pages one of engine_decode's requests holds (the driver gives a request pages for its prompt and every
+    token it asks for when it admits it)."""
+    return -(-(decode_prompt_len(ctx, steps) + steps + 2) // page_size)
+
+
+def fit_batches(sizes: Sequence[int], per_request: int, pool: int) -> Tuple[List[int], List[int]]:
+    """(the batch sizes whose requests the KV pool holds at once, those it cannot). Where some cannot, the largest it
+    holds takes their place (rounded down to a multiple of 8 from 8 up: the sizes decode CUDA graphs are captured at),
+    so that the curve reaches as far as the pool does."""
+    fits, unfit = [b for b in sizes if b * per_request <= pool], [b for b in sizes if b * per_request > pool]
+    most = pool // per_request
+    most -= most % 8 if most >= 8 else 0
+    return fits + ([most] if unfit and most > max(fits, default=0) else []), unfit
 
 
 def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:

@@ -120,7 +120,8 @@ def failure_block(result: ParityResult, gs: G.GoldenSet, tokenizer: Any) -> str 
     else:
         lines.append("  re-run this path, judging only this prompt (run in the same company): "
                      + rerun_command(result, f))
-    lines.append("  why: the same command with --explain compares each layer's residual stream with HF's")
+    if result.engine == OWN:  # --explain hooks this engine's layers; another engine's are not the harness's to hook
+        lines.append("  why: the same command with --explain compares each layer's residual stream with HF's")
     if result.obtained:
         lines.append(f"  the engine's result, in the golden's format: {result.obtained}")
     return "\n".join(lines)

@@ -7,6 +7,10 @@ golden's sequences: HF against itself (sdpa against eager attention and other th
 and HF against HF in float64 (harness.golden_reference: the rounding every op of the model carries in the golden's
 dtype, which grows with the model's activations, depth and prompt length where the first does not).
 
+HF's own bugs are findings, never tolerances (harness.hf_referee): a setting of HF's that float64 shows off at a
+position is left out of both measures there, and a position where the golden's own row is off is not judged (its row
+is not HF's answer); the parity report names them.
+
 Every dtype: max err over a prompt <= tol = max(SPREAD_FACTOR x HF's largest err, FLOOR[dtype]). Against the float64
 result x, |engine - golden| <= |engine - x| + |golden - x|: SPREAD_FACTOR = 4 admits an engine whose own rounding is up
 to 3x HF's. A real bug (a rotary off by one, a wrong KV head) moves log-probabilities by 1e-1 or more.
@@ -42,9 +46,10 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from harness import golden as G
-from harness import subjects
+from harness import golden_files as G
+from harness import hf_referee, subjects
 from harness.compare import PositionStat
+from harness.hf_runs import spread_summary
 from harness.parity.paths import ParityPath
 
 SPREAD_FACTOR = 4.0
@@ -96,6 +101,7 @@ class PromptResult:
     reason: str = ""
     router_near_ties: int = 0  # compared positions whose routing is a near tie (MoE)
     router_excused: int = 0  # of those, positions whose err exceeds tol
+    hf_off: int = 0  # compared positions where the golden's own row is off (float64 says so): not judged
     failure: Where | None = None  # the position that failed the prompt: the first err over tol, or the divergence
     worst: Where | None = None  # the largest err outside router near ties
 
@@ -139,6 +145,7 @@ class ParityResult:
     engine_info: Dict[str, Any] | None = None  # a black box's own provenance (its kind, version)
     top_k: int | None = None  # the log-probabilities per position a black box returns (harness.compare.compare_topk)
     nondeterministic: str = ""  # the failing path run again in a fresh process gave other bits (harness.parity.rerun)
+    hf_findings: List[str] = field(default_factory=list)  # what float64 refutes of HF's own runs (hf_referee)
 
     @property
     def mode_suffix(self) -> str:
@@ -186,9 +193,14 @@ SPREAD_KEYS = ("err_p50", "err_p90", "err_p99", "err_max", "err_mean", "kl_p50",
 
 def own_spread(gs: G.GoldenSet, dtype: str, moe: bool = False) -> Dict[str, Any]:
     """HF's own spread, statistic by statistic the larger of its kernel spread (spread_stats; older goldens record
-    only its largest err) and its distance to float64 (reference_stats). kernel_* and float64_* keep both."""
+    only its largest err) and its distance to float64 (reference_stats). kernel_* and float64_* keep both. A kernel
+    spread that float64 refutes as a whole (a golden without per-setting records, hf_referee.refuted_summary) is left
+    out, and kernel_refuted says why."""
     spread = spread_stats(gs, dtype, moe) or {"err_max": float(gs.provenance["hf_spread_max_abs_logprob"])}
     ref = reference_stats(gs, dtype, moe)
+    refuted = hf_referee.refuted_summary(gs.provenance, spread, ref)
+    if refuted:
+        return dict(ref, kernel_refuted=refuted, float64_err_max=ref["err_max"], float64_err_p99=ref["err_p99"])
     own = dict(spread)
     own.update({f"kernel_{k}": spread[k] for k in ("err_max", "err_p99") if k in spread})
     if ref is None:
@@ -235,7 +247,7 @@ def tie_tolerance(tol: float, limits: Dict[str, float] | None) -> float:
 
 
 def path_stats(errs: List[float], kls: List[float]) -> Dict[str, float]:
-    summary = G.spread_summary(errs, kls)
+    summary = spread_summary(errs, kls)
     return {k: summary[k] for k in ("err_p50", "err_p90", "err_p99", "err_max", "kl_mean", "kl_p99")}
 
 
@@ -283,6 +295,7 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
     golden's own near ties join the engine's. indices: each prompt's index in the full golden (gs may be a subset)."""
     tie_tol = 2 * tol if tie_tol is None else tie_tol
     golden_ties = gs.provenance.get("hf_router_near_ties", {}) if margins is not None else {}
+    golden_off = gs.provenance.get("hf_off", {}).get("golden", {})  # HF's row is off there: not judged
     leave_out = margins is not None and limits is not None  # half precision gates MoE models away from near ties
     results, errs, kls, gated, left_out = [], [], [], [], 0
     for uid, pg in enumerate(gs.prompts):
@@ -290,6 +303,7 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
         res = PromptResult(path.name, pg.name, index)
         ties = {pos for pos, m in (margins or {}).get(uid, {}).items() if m <= router_tie}
         ties |= set(golden_ties.get(pg.name, ()))
+        off = set(golden_off.get(pg.name, ()))
         worst, first_over = None, None  # outside router near ties: the largest err, the first err over tol
         n = len(pg.prompt_ids)
         # teacher-forced, the engine's choice is its argmax; a position it did not produce fails below, not here
@@ -302,6 +316,9 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
             if pos > last:
                 continue
             res.compared_positions += 1
+            if pos in off:
+                res.hf_off += 1
+                continue
             if leave_out and pos in ties:
                 left_out += 1
             else:
@@ -334,6 +351,8 @@ def evaluate(path: ParityPath, gs: G.GoldenSet, stats: Dict[int, Dict[int, Posit
         if div_step is not None:
             pos = n - 1 + div_step
             res.divergence = _divergence(pg, div_step, tokens[div_step], stats[uid][pos], tie_tol, pos in ties)
+            if pos in off:  # the golden's token there is not HF's answer
+                res.divergence["near_tie"] = res.divergence["hf_off"] = True
             if not res.divergence["near_tie"] and res.passed:
                 res.passed, res.reason = False, f"token differs at step {div_step} and it is not a near tie"
                 res.failure = where(pg, index, pos, stats[uid][pos], stats[uid][pos].err)

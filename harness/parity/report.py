@@ -11,7 +11,7 @@ from harness.parity.gate import ParityResult
 from harness.parity.gate import __doc__ as rule
 from harness.parity.paths import PATHS
 from harness.parity.plot import plot_errors
-from harness.subjects import OWN, report_dir
+from harness.subjects import OWN, named, report_dir
 from harness.report import (markdown_table, provenance, provenance_markdown, text_table, write_json,
                             written_to)
 
@@ -97,8 +97,17 @@ def _parts(s: Dict[str, Any] | None) -> str:
         return f" (HF to float64 not measured: {s['float64_unmeasured']})"
     if not s or "float64_err_max" not in s:
         return ""
-    return (f" (largest err: HF's kernels {s.get('kernel_err_max', float('nan')):.3g}, HF to float64 "
-            f"{s['float64_err_max']:.3g})")
+    kernels = "refuted by float64" if s.get("kernel_refuted") else f"{s.get('kernel_err_max', float('nan')):.3g}"
+    return f" (largest err: HF's kernels {kernels}, HF to float64 {s['float64_err_max']:.3g})"
+
+
+def _findings(result: ParityResult) -> str:
+    """What float64 refutes of HF's own runs on this golden, and the positions parity left unjudged for it."""
+    if not result.hf_findings:
+        return ""
+    skipped = sum(p.hf_off for p in result.prompts)
+    tail = (f"\n{skipped} compared positions are not judged: the golden's own row is off there" if skipped else "")
+    return "HF's own bugs (not taken into the tolerance):\n" + "\n".join(result.hf_findings) + tail
 
 
 def _top_k_rule(result: ParityResult) -> str:
@@ -113,13 +122,15 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     summary."""
     tp = f" with TP={result.tp}" if result.tp > 1 else ""
     tp += " in batch-invariant mode" if result.batch_invariant else ""
-    tp += f" (--engine {result.engine})" if result.engine != OWN else ""
+    tp += f" (--engine {named(result.engine, result.engine_info)})" if result.engine != OWN else ""
     head = (f"parity {result.model} on {result.device}{tp} in {result.dtype}: "
             f"{'PASS' if result.passed else 'FAIL'} (tol {result.tol:.3g} = max(4 x HF spread {result.hf_spread:.3g}, "
             f"floor){_parts(result.hf_stats)})")
     summary = text_table(summary_rows(result))
     failing = [_row(p) for p in result.prompts if not p.passed]
     text = f"{result.failure}\n{head}\n{summary}" if result.failure else f"{head}\n{summary}"
+    if result.hf_findings:
+        text += "\n" + _findings(result)
     if failing:
         text += "\nfailing prompts:\n" + text_table(failing, ["path", "prompt", "passed", "divergence"])
     bad_paths = [f"{p.path}: {p.reason}" for p in result.paths if not p.passed]
@@ -139,6 +150,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
     dist_cols = ROUTER_DIST_COLUMNS if moe else DIST_COLUMNS
     prompt_cols = COLUMNS[:-1] + ["router_near_ties", "passed"] if moe else COLUMNS
     first = f"```\n{result.failure}\n```\n\n" if result.failure else ""
+    found = f"```\n{_findings(result)}\n```\n\n" if result.hf_findings else ""
     paths = "\n".join(f"- `{p.name}`: {p.description}" for p in PATHS if p.name in {r.path for r in result.prompts})
     md = (f"# Parity: {result.model}, {result.device}{tp}, {result.dtype}\n\n**{'PASS' if result.passed else 'FAIL'}**, "
           f"tolerance {result.tol:.3g} on log-probabilities (HF's own spread {result.hf_spread:.3g}).\n\n"
@@ -146,6 +158,7 @@ def write_report(result: ParityResult, write_files: bool = True, update: bool = 
           f"## Rule\n{rule}\n{_top_k_rule(result)}"
           f"## Paths\n{paths}\n\n## Summary\n{markdown_table(summary_rows(result))}\n"
           f"## Error distribution per path\n{_hf_line(result)}"
+          f"{found}"
           f"{markdown_table(distribution_rows(result), dist_cols)}\n"
           f"## Every prompt\n{markdown_table([_row(p) for p in result.prompts], prompt_cols)}\n"
           f"## Provenance\n{provenance_markdown(prov)}")

@@ -14,6 +14,7 @@ from engine import Engine, EngineConfig
 from engine.distributed import DistributedInfo, div_even
 from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, junit, progress, subjects
 from harness import golden as G
+from harness import hf_referee
 from harness import prompts as P
 from harness.compare import ROUTER_TIE, PositionStat, compare_row
 from harness.driver import Driver
@@ -170,6 +171,7 @@ def run_parity(model: ModelRef | str, device: str = "cpu", dtype: str = "float32
                           own_spread(gs, dtype, is_moe), tp=tp, router_tie=ROUTER_TIE[dtype] if is_moe else None,
                           batch_invariant=batch_invariant, engine=engine)
     result.model_args = model.args + model.golden_args
+    result.hf_findings = hf_referee.findings(gs.provenance)
     folder = obtained_root / model.name / (f"{device.split(':')[0]}-{dtype}" + result.mode_suffix)
     black_box = not subjects.driven(engine)
     chosen = [p for p in (REMOTE_PATHS if black_box else PATHS)

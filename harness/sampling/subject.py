@@ -14,7 +14,8 @@ the other: against the untempered one). The report names the rule the draws foll
 
 Draws: DRAWS per case by default (`--draws`), each its own request with the seed seed + i where the engine takes
 seeds; the report gives the total variation each case detects with power POWER (the worst direction,
-harness.sampling.stats) and the power at TARGET_TV.
+harness.sampling.stats) and the power at TARGET_TV. A case the engine refuses (a server's HTTP 4xx, a parameter it
+lacks) is left out, its row saying what the engine said; the others run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from harness.models import ModelRef
 from harness.sampling.cases import REAL_PROMPTS, describe
 from harness.sampling.oracle import filtered_distribution, softmax64
 from harness.sampling.stats import chi_square, detectable_tv, power_at
-from harness.subjects.base import Subject
+from harness import UserError, subjects
+from harness.subjects.base import Subject, Unsupported
 
 if TYPE_CHECKING:
     import argparse
@@ -68,6 +70,7 @@ class Row:
     follows: str = ""  # the rule the draws fit: the spec's, the other one's, or neither
     passed: bool = True
     note: str = ""
+    left_out: str = ""  # what the engine said when it refused the case (the case did not run)
 
 
 def hf_logits(folder: Path, prompt: str = REAL_PROMPTS[0]) -> np.ndarray:
@@ -225,11 +228,22 @@ def run(subject: Subject, model: ModelRef, draws: int = DRAWS, seed: int = 0,
     for case in chosen:
         start = time.perf_counter()
         n = draws if case.params.temperature > 0 else min(draws, 200)
-        got = subject.sample(prompt, case.params, n, seed * 1_000_003 + zlib.crc32(case.name.encode()))
+        try:
+            got = subject.sample(prompt, case.params, n, seed * 1_000_003 + zlib.crc32(case.name.encode()))
+        except Unsupported as e:
+            rows.append(Row(model.name, case.name, describe(case.params), 0, alpha, left_out=str(e)))
+            progress.line("sampling", f"{model.name} {case.name}", "LEFT OUT", time.perf_counter() - start)
+            continue
         rows.append(check_case(model.name, case, logits, got, alpha))
         progress.line("sampling", f"{model.name} {case.name}", "PASS" if rows[-1].passed else "FAIL",
                       time.perf_counter() - start)
     return rows
+
+
+def _result(r: Row) -> str:
+    if r.left_out:
+        return f"left out: {r.left_out}"
+    return ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")
 
 
 COLUMNS = ["model", "case", "params", "n", "categories", "p_value", "alpha", "detectable_tv", "power_at_tv",
@@ -238,11 +252,14 @@ COLUMNS = ["model", "case", "params", "n", "categories", "p_value", "alpha", "de
 
 def write_report(rows: List[Row], spec: str, engine_info: Dict, out: Path, draws: int, wall: float,
                  seeded: bool) -> Path:
-    table = [{**{k: "-" if v is None or v == "" else v for k, v in asdict(r).items()},
-              "result": ("pass" if r.passed else "FAIL") + (f" ({r.note})" if r.note else "")} for r in rows]
+    table = [{**{k: "-" if v is None or v == "" else v for k, v in asdict(r).items()}, "result": _result(r)}
+             for r in rows]
     prov = report.provenance("cpu", engine=spec, engine_provenance=engine_info)
-    verdict = "PASS" if all(r.passed for r in rows) else "FAIL"
-    md = (f"# Sampling through `--engine {spec}`: {verdict}\n\n{__doc__.split(chr(10), 1)[1]}\n"
+    left = sum(bool(r.left_out) for r in rows)
+    verdict = ("PASS" if all(r.passed for r in rows) else "FAIL") + (f", {left} case{'s' * (left > 1)} left out"
+                                                                       if left else "")
+    server = subjects.named(spec, next(iter(engine_info.values()), None))
+    md = (f"# Sampling through `--engine {server}`: {verdict}\n\n{__doc__.split(chr(10), 1)[1]}\n"
           f"## Settings\n- {draws} draws per case ({'seeded' if seeded else 'unseeded: the engine takes no seed'})"
           f", greedy cases at most 200; family alpha {FAMILY_ALPHA} (Bonferroni over each model's random cases)\n"
           f"- `detectable_tv`: the total variation detected with power {POWER}; `power_at_tv`: the power at "
@@ -251,14 +268,14 @@ def write_report(rows: List[Row], spec: str, engine_info: Dict, out: Path, draws
           f"## Provenance\n{report.provenance_markdown(prov)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampling.md").write_text(md)
-    report.write_json(out / "sampling.json", {"provenance": prov, "passed": verdict == "PASS", "draws": draws,
-                                              "rows": [asdict(r) for r in rows]})
+    report.write_json(out / "sampling.json", {"provenance": prov, "passed": all(r.passed for r in rows),
+                                              "draws": draws, "rows": [asdict(r) for r in rows]})
     return out / "sampling.md"
 
 
 def command(args: "argparse.Namespace") -> int:
     """sampling --engine SPEC: the grid on each model (a subject started on that model), one report."""
-    from harness import EXIT_FINDING, EXIT_PASS, junit, subjects
+    from harness import EXIT_FINDING, EXIT_PASS, junit
     from harness.models import resolve_models
     from harness.sampling.cases import REAL_MODELS
 
@@ -270,10 +287,13 @@ def command(args: "argparse.Namespace") -> int:
         with subjects.open_subject(args.engine, model) as subject:
             info[model.name], seeded = subject.provenance(), subject.seeded
             rows += run(subject, model, args.draws, args.seed, args.case or ())
+    if all(r.left_out for r in rows):
+        raise UserError(f"--engine {args.engine} refuses every sampling case ({rows[0].left_out}); nothing to test "
+                        f"its sampler on")
     out = Path(args.out) if args.out else subjects.report_dir(args.engine, args.update_reports) / "sampling"
     path = write_report(rows, args.engine, info, out, args.draws, time.perf_counter() - start, seeded)
-    print(report.text_table([{k: v for k, v in asdict(r).items() if k in COLUMNS} | {
-        "result": "pass" if r.passed else f"FAIL ({r.note})"} for r in rows], COLUMNS))
+    print(report.text_table([{k: v for k, v in asdict(r).items() if k in COLUMNS} | {"result": _result(r)}
+                             for r in rows], COLUMNS))
     print(report.written_to(path, args.update_reports))
     passed = all(r.passed for r in rows)
     print("PASS" if passed else "FAIL: " + ", ".join(f"{r.model} {r.case}" for r in rows if not r.passed))
@@ -281,6 +301,6 @@ def command(args: "argparse.Namespace") -> int:
         suite = junit.Suite(f"sampling.{subjects.name(args.engine)}")
         suite.cases += [junit.TestCase(f"{suite.name}.{r.model}", f"{r.case}: {r.params}", 0.0,
                                        None if r.passed else f"sampling {r.model} {r.case} ({r.params}): {r.note}")
-                        for r in rows]
+                        for r in rows if not r.left_out]
         print(f"junit: {junit.write(args.junit, [suite])}")
     return EXIT_PASS if passed else EXIT_FINDING

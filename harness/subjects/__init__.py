@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harness.subjects.spec import (KINDS, OWN, check, driven, engine_class, kind, name,  # noqa: F401 (the API)
-                                   report_dir, suffix)
+                                   named, report_dir, suffix)
 
 if TYPE_CHECKING:
     from harness.models import ModelRef

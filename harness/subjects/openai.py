@@ -5,7 +5,10 @@ Log-probabilities: prompts go as token ids; a prompt position's row comes from `
 it (vLLM, SGLang), else from `echo` with `logprobs`; a generated position's from `logprobs`. Tokens are read as ids
 where the server names them so (vLLM's `return_tokens_as_token_ids`), else mapped back from their text through the
 model's tokenizer (a text that several ids decode to is left out of its row). Draws are not seeded (servers differ on
-what a seed with n > 1 means): up to MAX_N choices a request.
+what a seed with n > 1 means): up to MAX_N choices a request, or one a request where the server refuses more (vLLM
+refuses n > 1 at temperature 0). A request the server refuses (HTTP 4xx) is Unsupported, with the server's own words:
+the check that needs it is left out in one line. The server is named in the provenance as its /v1/models owner and
+/version say (vLLM: "vllm 0.32.0").
 """
 
 from __future__ import annotations
@@ -40,6 +43,19 @@ def endpoint(url: str, path: str) -> str:
     return f"{base}/{path}" if base.endswith("/v1") else f"{base}/v1/{path}"
 
 
+class Refused(Unsupported):
+    """A request the server answered with HTTP 4xx: what it said."""
+
+
+def _refusal(url: str, e: urllib.error.HTTPError) -> Refused:
+    try:
+        said = json.loads(e.read()).get("error", {})
+        said = said.get("message", said) if isinstance(said, dict) else said
+    except (ValueError, AttributeError, OSError):
+        said = e.reason
+    return Refused(f"--engine openai:{url} refuses the request (HTTP {e.code}): {' '.join(str(said).split())}")
+
+
 class OpenAISubject(Subject):
     seeded = False
 
@@ -52,6 +68,7 @@ class OpenAISubject(Subject):
             raise UserError(f"--engine openai:{url}: no server answers there ({e}); start it, or check the "
                             f"address") from None
         self.model = models[0]["id"]
+        self.server = " ".join(x for x in (models[0].get("owned_by"), self._version()) if x)
         self.top_k = TRIED_K[0]
         self._by_text: Dict[str, int] | None = None
 
@@ -59,15 +76,30 @@ class OpenAISubject(Subject):
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(endpoint(self.url, path), data=data,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-            return json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if 400 <= e.code < 500:
+                raise _refusal(self.url, e) from None
+            raise
+
+    def _version(self) -> str:
+        """The server's version where it tells one (vLLM's and SGLang's GET /version), else ""."""
+        req = urllib.request.Request(f"{self.url.rstrip('/').removesuffix('/v1')}/version")
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+                return str(json.loads(r.read()).get("version", ""))
+        except (urllib.error.URLError, OSError, ValueError, AttributeError):
+            return ""
 
     def _complete(self, **body: Any) -> Dict[str, Any]:
         return self._request("completions", {"model": self.model, "return_tokens_as_token_ids": True, **body})
 
     def provenance(self) -> Dict[str, Any]:
         # a served model's name may be the folder it was loaded from: its last part, never a machine's path
-        return {"kind": "openai", "url": self.url, "served_model": Path(self.model).name, "model": self.folder.name}
+        return {"kind": "openai", "server": self.server, "url": self.url, "served_model": Path(self.model).name,
+                "model": self.folder.name}
 
     def _token(self, text: str) -> int | None:
         """A token as the server names it -> its id (None: a text several ids decode to)."""
@@ -109,15 +141,15 @@ class OpenAISubject(Subject):
         k = min(k, self.top_k)
         try:
             self._score_one(list(prompts[0]), 1, k)
-        except urllib.error.HTTPError as e:
-            if k == MIN_TOP_K or e.code != 400:
+        except Refused:
+            if k == MIN_TOP_K:
                 raise
             self.top_k = k = MIN_TOP_K  # the server caps its logprobs below the goldens' 64
             try:
                 self._score_one(list(prompts[0]), 1, k)
-            except urllib.error.HTTPError as e2:
-                raise Unsupported(f"--engine openai:{self.url} refuses logprobs={MIN_TOP_K} ({e2}); parity needs "
-                                  f"the top-{MIN_TOP_K} at every position") from None
+            except Refused as e:
+                raise Unsupported(f"{e}; asked for logprobs={MIN_TOP_K}, and parity needs the top-{MIN_TOP_K} at "
+                                  f"every position") from None
         with ThreadPoolExecutor(CONCURRENT) as pool:
             return list(pool.map(lambda a: self._score_one(list(a[0]), a[1], k), zip(prompts, max_new)))
 
@@ -130,8 +162,14 @@ class OpenAISubject(Subject):
             got = self._complete(**body, n=size)
             return [self._token(c["logprobs"]["tokens"][0]) for c in got["choices"]]
 
+        try:
+            draws = one(sizes[0])
+        except Refused:
+            if sizes[0] == 1:
+                raise
+            draws, sizes = one(1), [1] * n  # one choice a request (vLLM's rule at temperature 0); refused now: final
         with ThreadPoolExecutor(CONCURRENT) as pool:
-            draws = [t for chunk in pool.map(one, sizes) for t in chunk]
+            draws += [t for chunk in pool.map(one, sizes[1:]) for t in chunk]
         return np.array([-2 if t is None else t for t in draws], dtype=np.int64)
 
     def timed(self, prompts: Sequence[List[int]], max_new: int) -> float:

@@ -4,7 +4,7 @@ engine: requests run one at a time (the driver is not shared), each request's n 
 
 POST /v1/completions takes prompt (token ids or text), max_tokens, temperature, top_p and the extensions top_k,
 min_p, ignore_eos, return_tokens_as_token_ids (vLLM's), n, seed, echo and logprobs (at most max_logprobs: more
-is a 400, as vLLM answers); GET /v1/models names the model.
+is a 400, as vLLM answers); GET /v1/models names the model, and the server (owned_by, as vLLM's names itself).
 A request with a seed gives choice i the seed seed + i; one without draws fresh seeds, so repeated requests are
 independent draws.
 """
@@ -107,7 +107,8 @@ def _handler(completions: Completions) -> type:
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path.rstrip("/") == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": completions.name, "object": "model"}]})
+                self._send(200, {"object": "list", "data": [{"id": completions.name, "object": "model",
+                                                             "owned_by": "harness serve"}]})
             else:
                 self._send(404, {"error": {"message": f"no {self.path}"}})
 

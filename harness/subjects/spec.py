@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Dict
 
 from harness import UserError
 
@@ -75,6 +75,14 @@ def report_dir(spec: str, update: bool) -> "Path":
 
     root = report_root(update)
     return root if spec == OWN else root / "peers" / name(spec)
+
+
+def named(spec: str, info: Dict[str, Any] | None) -> str:
+    """--engine SPEC as a report names it: with the server or version its provenance (info) gives, `openai:URL (vllm
+    0.32.0)`."""
+    info = info or {}
+    what = info.get("server") or (f"vllm {info['vllm']}" if "vllm" in info else "")
+    return f"{spec} ({what})" if what else spec
 
 
 def suffix(spec: str) -> str:
