@@ -186,8 +186,7 @@ def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, 
     """Whole-run floor: every step's bytes and FLOPs (from the driver's log) over the measured limits."""
     floor = 0.0
     for s in run.steps:
-        pairs = s.kv_tokens if s.phase == "decode" else s.num_tokens * s.kv_tokens // max(2 * s.batch_size, 1)
-        nbytes_flops = cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, pairs, rows=s.batch_size)
+        nbytes_flops = cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, s.pairs, rows=s.batch_size)
         floor += limits.floor_seconds(*nbytes_flops)
     return {"model": model, "runner": runner, "workload": name, "batch_size": len(run.steps) and max(
         s.batch_size for s in run.steps), "length": run.output_tokens, "median_s": run.seconds, "samples": 1,

@@ -136,48 +136,16 @@ def decode_at(driver: Driver, bs: int, ctx: int, vocab: int) -> StepRecord:
     return driver.steps[-1]
 
 
-def decode_gaps(records: List[StepRecord], through_prefill: bool = False) -> List[float]:
-    """Seconds between consecutive decode steps' launches: the running requests' inter-token latencies (each decode
-    step gives every one of them a token). through_prefill: only up to the first decode step after the last prefill
-    step, the gaps an arriving prompt's chunks fall in."""
-    decodes = [i for i, r in enumerate(records) if r.phase == "decode"]
-    if through_prefill:
-        last = max(i for i, r in enumerate(records) if r.phase == "prefill")
-        decodes = [i for i in decodes if i < last] + [i for i in decodes if i > last][:1]
-    return [records[b].start - records[a].start for a, b in zip(decodes, decodes[1:])]
-
-
-@dataclass
-class Interleaved:
-    alone: List[float]  # inter-token latencies of the running requests alone
-    arriving: List[float]  # the same while the long prompt is prefilled in chunks
-    long_ttft: float  # the long prompt's first chunk's launch to the end of its last chunk's step
-
-
-def engine_interleaved(driver: Driver, bs: int, ctx: int, long_len: int, vocab: int) -> Interleaved:
-    """bs requests of ctx-token prompts decoding, alone and with a prompt of long_len tokens arriving behind them
-    (admitted once they are prefilled: its chunks alternate with their decode steps). They decode for as many steps
-    as it has chunks while they run, and 16 more."""
-    shorts = [random_ids(ctx, vocab, seed=3000 + i) for i in range(bs)]
-    long_prompt = random_ids(long_len, vocab, seed=long_len)
-    chunk = min(driver.max_prefill_tokens, driver.decode_chunk_tokens)  # its chunks while they decode
-    params = [SamplingParams(max_tokens=-(-long_len // chunk) + 16, ignore_eos=True)] * bs
-    first = [SamplingParams(max_tokens=1, ignore_eos=True)]
-    runs = []
-    for arriving in (True, False, True):  # the first is warm-up
-        driver.steps.clear()
-        settle()
-        driver.generate(shorts + [long_prompt] * int(arriving), params + first * int(arriving))
-        runs.append(list(driver.steps))
-    alone, busy = runs[1], runs[2]
-    prefilled, chunks = 0, []
-    for r in busy:  # the running requests' prompts are prefilled first: the prefill steps after them are chunks
-        if r.phase == "prefill":
-            if prefilled >= bs * ctx:
-                chunks.append(r)
-            prefilled += r.num_tokens
-    long_ttft = chunks[-1].start + chunks[-1].seconds - chunks[0].start if chunks else float("nan")
-    return Interleaved(decode_gaps(alone), decode_gaps(busy, through_prefill=True), long_ttft)
+def chunk_steps(driver: Driver, bs: int, ctx: int, long_len: int) -> int:
+    """The steps the driver's budget takes to prefill a long_len-token prompt beside bs requests decoding at about
+    ctx tokens (at least: their context grows, and with it a stall budget's allowance)."""
+    if not driver.mixed:
+        return -(-long_len // min(driver.max_prefill_tokens, driver.decode_chunk_tokens))
+    allowance, depth, steps = driver.budget.allowance(bs, bs * ctx), 0, 0
+    while depth < long_len:
+        depth += driver.budget.chunk(allowance, depth, driver.max_prefill_tokens - bs)
+        steps += 1
+    return steps
 
 
 @dataclass
