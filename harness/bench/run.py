@@ -129,10 +129,14 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
             for bs in spec.simple_bs:
                 rows.append(_progress(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab,
                                                    cost, limits)[0], clock))
-            # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs
+            # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs;
+            # offline_alternating: the same as offline with alternating steps, so the difference is what mixing them
+            # (the requests admitted beside the running ones' decodes) gains or costs
             for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_greedy", (prompts, outs)),
-                                    ("offline_subset", (sub_prompts, sub_outs))):
-                run = engine_offline(driver, ps, os_, greedy=name != "offline")
+                                    ("offline_subset", (sub_prompts, sub_outs)),
+                                    ("offline_alternating", (prompts, outs))):
+                run = engine_offline(Driver(engine, mixed=False) if name == "offline_alternating" else driver, ps, os_,
+                                     greedy=name in ("offline_greedy", "offline_subset"))
                 rows.append(_progress(_offline_row(model, runner, name, run, cost, limits), clock))
             # last: on the H200 the same offline run after these synthetic GEMM graphs took 2.3% longer (5.80 ->
             # 5.93 s, a fresh driver each time; the same clocks and temperature), the workloads before them did not
