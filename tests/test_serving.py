@@ -235,17 +235,17 @@ def test_serving_flags_need_serve(capsys):
 @pytest.mark.parametrize("fault", ["chunk-ignores-budget", "decodes-starved"])
 def test_the_serving_gate_finds_a_planted_scheduler_fault(fault, tmp_path: Path):
     """A revision with the fault (a copy of this tree, its driver edited) against this tree, on a trace file: six
-    requests decoding 128 tokens, two 4k-token prompts (above the driver's token budget) arriving among them. Their
+    requests decoding 192 tokens, four 4k-token prompts (above the driver's token budget) arriving among them. Their
     chunks stall the running requests, and the gate names the p99 inter-token latency."""
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(10, 4000) for _ in range(n)]  # noqa: E731
-    trace = ([{"arrival_s": 0.0, "prompt_ids": ids(16), "output_len": 128} for _ in range(6)] +
-             [{"arrival_s": at, "prompt_ids": ids(4096), "output_len": 2} for at in (0.1, 0.2)])
+    trace = ([{"arrival_s": 0.0, "prompt_ids": ids(16), "output_len": 192} for _ in range(6)] +
+             [{"arrival_s": at, "prompt_ids": ids(4096), "output_len": 2} for at in (0.1, 0.3, 0.5, 0.7)])
     (tmp_path / "trace.json").write_text(json.dumps(trace))
     tree = planted_tree(fault, tmp_path / "tree")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-m", "harness", "bench", "--serve", "--against", str(REPO), "--model",
-                          MODEL, "--trace", str(tmp_path / "trace.json"), "--repeats", "2", "--rounds", "3",
+                          MODEL, "--trace", str(tmp_path / "trace.json"), "--repeats", "3", "--rounds", "3",
                           "--fail-if-slower", "20"], cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     failed = [line for line in out.stdout.splitlines() if line.startswith("  ") and "at least" in line]

@@ -15,6 +15,7 @@ statistics are tested).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -105,7 +106,9 @@ def main() -> int:
         from harness.driver import Driver
 
         engine = _engine(json.loads(sys.stdin.readline()))
-        driver = Driver(engine)
+        # the decode workload's prompts prefilled before they decode together: alternating steps where the driver
+        # has the choice (a revision with mixed steps), as every older one steps
+        driver = Driver(engine, **({"mixed": False} if "mixed" in inspect.signature(Driver).parameters else {}))
         vocab = engine.config.model_config.vocab_size
         ops: Dict[str, Callable[..., float]] = {
             "decode": lambda bs, ctx, steps: _decode(driver, SamplingParams, vocab, bs, ctx, steps),
@@ -117,7 +120,8 @@ def main() -> int:
             if op == "quit":
                 break
             if op == "serve":
-                answer({"timings": _serve(driver, SamplingParams, request["trace"])})
+                # the revision's driver as it serves by default (mixed steps where it has them)
+                answer({"timings": _serve(Driver(engine), SamplingParams, request["trace"])})
                 continue
             answer({"seconds": ops[request.pop("workload")](**request)})
         engine.shutdown()

@@ -6,8 +6,9 @@ import gc
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -115,15 +116,28 @@ def decode_prompt_len(ctx: int, steps: int) -> int:
     return max(1, ctx - (steps + 3) // 2)
 
 
+@contextmanager
+def alternating(driver: Driver) -> Iterator[Driver]:
+    """The driver with alternating steps meanwhile: every prompt is prefilled before the requests decode together
+    (mixed steps would start the first admitted decoding while the others prefill, and a decode step of all bs would
+    come later, fewer and deeper)."""
+    mixed, driver.mixed = driver.mixed, False
+    try:
+        yield driver
+    finally:
+        driver.mixed = mixed
+
+
 def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:
     """The decode steps of bs requests at context ctx on average, all running (the first decode after a prefill left
-    out)."""
+    out), with alternating steps."""
     prompts = [random_ids(decode_prompt_len(ctx, steps), vocab, seed=1000 + i) for i in range(bs)]
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
-    driver.steps.clear()
-    settle()
-    driver.generate(prompts, params)
+    with alternating(driver):
+        driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
+        driver.steps.clear()
+        settle()
+        driver.generate(prompts, params)
     return [s for s in driver.steps if s.phase == "decode" and s.batch_size == bs][1:]
 
 
@@ -132,7 +146,8 @@ def decode_at(driver: Driver, bs: int, ctx: int, vocab: int) -> StepRecord:
     lists and lengths at context ctx, for the graph's replay to be profiled there (engine_decode's steps average ctx;
     its last attends ctx + steps / 2). Returns the step's record."""
     prompts = [random_ids(ctx - 1, vocab, seed=2000 + i) for i in range(bs)]
-    driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
+    with alternating(driver):
+        driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
     return driver.steps[-1]
 
 
