@@ -118,7 +118,7 @@ def test_a_concurrency_cap_holds_back_what_has_arrived():
 
 def test_trace_files_in_several_layouts(tmp_path: Path):
     tok = lambda text: [ord(c) for c in text]  # noqa: E731
-    lines = [{"timestamp": 100.5, "prompt": "abc", "max_tokens": 4}, {"timestamp": 100.0, "prompt_len": 6,
+    lines = [{"timestamp": 100.5, "prompt": "abc", "max_tokens": 4}, {"timestamp": 100.0, "input_len": 6,
                                                                        "output_len": 2}]
     (tmp_path / "t.jsonl").write_text("\n".join(map(json.dumps, lines)))
     trace = read_trace(tmp_path / "t.jsonl", tok, 1000)
@@ -130,6 +130,20 @@ def test_trace_files_in_several_layouts(tmp_path: Path):
     (tmp_path / "bad.json").write_text(json.dumps([{"prompt": "x"}]))
     with pytest.raises(ValueError, match="arrival time"):
         read_trace(tmp_path / "bad.json", tok, 1000)
+
+
+def test_text_prompts_are_excerpts_of_the_committed_text():
+    """--dataset text: excerpts of the King James text through the model's tokenizer, at the drawn lengths, longer
+    ones wrapping around; the same seed, the same excerpts."""
+    from transformers import AutoTokenizer
+
+    from harness.bench.serving import text_prompts
+
+    tok = AutoTokenizer.from_pretrained(zoo.path(MODEL))
+    excerpts = text_prompts(tok)
+    got = excerpts([5, 300, 20000], random.Random(4))
+    assert [len(p) for p in got] == [5, 300, 20000] and got == excerpts([5, 300, 20000], random.Random(4))
+    assert " the " in tok.decode(got[1]) and tok.decode(got[2]).count("In the beginning God created") >= 1
 
 
 # ------------------------------------------------------------------------------------------------ the driver

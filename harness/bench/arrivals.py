@@ -139,8 +139,8 @@ def random_prompts(vocab: int) -> Callable[[List[int], random.Random], List[List
 def read_trace(path: Path, tokenize: Callable[[str], List[int]], vocab: int) -> Trace:
     """A trace file: this module's JSON (Trace.to_json), or a JSON list / JSON lines of requests, each with an
     arrival time (arrival_s or timestamp, seconds; the first becomes 0), a prompt (prompt_ids, prompt as text or
-    ids, or prompt_len: random ids of that length) and an output length (output_len, max_tokens or output_tokens).
-    ValueError says what is missing."""
+    ids, or prompt_len / input_len: random ids of that length) and an output length (output_len, max_tokens or
+    output_tokens). ValueError says what is missing."""
     text = Path(path).read_text()
     try:
         whole = json.loads(text)
@@ -156,11 +156,12 @@ def read_trace(path: Path, tokenize: Callable[[str], List[int]], vocab: int) -> 
         at = r.get("arrival_s", r.get("timestamp"))
         out = r.get("output_len", r.get("max_tokens", r.get("output_tokens")))
         prompt = r.get("prompt_ids", r.get("prompt"))
-        if prompt is None and "prompt_len" in r:
-            prompt = [rng.randrange(10, vocab - 10) for _ in range(int(r["prompt_len"]))]
+        length = r.get("prompt_len", r.get("input_len"))
+        if prompt is None and length is not None:
+            prompt = [rng.randrange(10, vocab - 10) for _ in range(int(length))]
         if at is None or out is None or prompt is None:
             raise ValueError(f"request {i} lacks an arrival time (arrival_s or timestamp), a prompt (prompt_ids, "
-                             f"prompt or prompt_len) or an output length (output_len or max_tokens)")
+                             f"prompt, prompt_len or input_len) or an output length (output_len or max_tokens)")
         reqs.append(TraceRequest(tokenize(prompt) if isinstance(prompt, str) else list(map(int, prompt)), int(out),
                                  float(at)))
     if not reqs:
