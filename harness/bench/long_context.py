@@ -210,13 +210,15 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--running", type=int, help="running requests (default: the bench spec's)")
     p.add_argument("--ctx", type=int, help="their prompts' tokens")
     p.add_argument("--long", type=int, help="the arriving prompt's tokens")
+    p.add_argument("--budget", type=int, help="the prefill budget, the prompt's chunks alone (default: the spec's)")
     p.add_argument("--update-reports", action="store_true")
     args = p.parse_args(argv)
     device = "cuda" if args.device.startswith("cuda") else "cpu"
     model = args.model or ("qwen3-0.6b" if device == "cuda" else "smollm2-135m")
     spec = SPECS[device]
     bs, ctx, long_len = (args.running or spec.itl[0], args.ctx or spec.itl[1], args.long or spec.itl[2])
-    spec = dataclasses.replace(spec, itl=(bs, ctx, long_len), long_prompts=())
+    spec = dataclasses.replace(spec, itl=(bs, ctx, long_len), long_prompts=(),
+                               long_budget=args.budget or spec.long_budget)
     dtype = "bfloat16" if device == "cuda" else "float32"
     engine = long_engine(model, args.device, dtype, spec)
     runs: List[Dict[str, Any]] = []

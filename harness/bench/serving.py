@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-from harness import EXIT_FINDING, EXIT_PASS, UserError, progress, report, subjects
+from harness import EXIT_FINDING, EXIT_PASS, UserError, check_device, progress, report, subjects
 from harness.bench.ab_stats import mean_interval, paired_ratio
 from harness.bench.arrivals import INF, Lengths, Trace, make_trace, random_prompts, read_trace
 from harness.bench.serving_metrics import metrics, parse_goodput
@@ -273,6 +273,7 @@ def command(args: argparse.Namespace) -> int:
     from harness.bench.serving_report import write
     from harness.models import resolve_models
 
+    check_device(args.device, flashinfer=args.device.startswith("cuda"))  # this engine's numbers there are FlashInfer's
     other = None if args.engine == subjects.OWN else args.engine
     if other is not None:
         subjects.check(other)
