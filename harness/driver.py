@@ -9,17 +9,26 @@ is prefilled in chunks, each an extend over the prompt's own cached prefix, so a
 served and no forward carries more tokens than the memory plan reserved activations for. Its slot and the pages of
 the whole request are held from its first chunk (admission waits for them, and logs that it does); nothing is sampled
 until its last chunk (a chunk's draw is discarded: the request is not among the step's members). Its remaining
-chunks lead the next prefill steps; whole prompts that fit the rest of a step's budget join them. Prompts within the
-budget are never cut, so every batch of them is what it was without chunking.
-Running requests keep decoding: after a step that carried a chunk (not the last) of a prompt, the next step decodes
-every running request, and while any decode the chunks are at most decode_chunk_tokens. Steps alternate rather than
-putting a chunk beside the decodes in one forward (a mixed batch): a decode step keeps its CUDA graph and its decode
-kernels, and a running request's tokens do not depend on whether a long prompt is arriving (a decode row in a
-prefill batch would go through the prefill kernels); the price is one decode step per chunk, a running request's
-next token waiting for at most one chunk.
-In batch-invariant mode (EngineConfig.batch_invariant) a prompt's chunks do not depend on what else runs: every chunk
-of a prompt over the budget is the smaller of the budget and decode_chunk_tokens, whether or not others decode (a
-prompt's bits follow its chunks: their attention sums over other lengths).
+chunks lead the next prefill steps; whole prompts that fit the rest of a step's budget join them. With nothing
+decoding, prompts within the budget are never cut, so every batch of them is what it was without chunking.
+
+Running requests keep decoding (mixed steps, the default): a step decodes every running request first, then carries
+prompt work (chunks of prompts under way, then new prompts) within the step budget (harness.step_budget): by
+default the cost of decode_chunk_tokens prompt tokens at depth 0 in the model's FLOP counts, so that a deep chunk
+carries fewer tokens than a shallow one; or a time budget over a measured cost model (stall: a step at most that many
+times its decodes alone). A decode row is a one-token extend in the prefill batch, its input id gathered on the device
+from the token pool as a decode step's is. With nothing to prefill, a step decodes alone (its CUDA graph, its decode
+kernels).
+In batch-invariant mode (EngineConfig.batch_invariant), or with mixed=False, steps alternate instead: after a step
+that carried a chunk (not the last), the next decodes every running request, and a running request's tokens never
+go through a prefill batch. Batch-invariant mode also fixes a prompt's chunks whatever else runs: every chunk of a
+prompt over the budget is the smaller of the budget and decode_chunk_tokens (a prompt's bits follow its chunks:
+their attention sums over other lengths).
+
+Online: serve(source) admits requests as a Source hands them over (requests arriving over time: a replayed trace, a
+server's queue), waits for the next when idle, and reports each token as the host reads it (on_token), so that a
+request's time to first token and inter-token latencies are what a client of this loop sees. generate() is serve()
+over every request at once.
 
 Two loops share every step function and differ only in order (mini-sglang's normal_loop / overlap_loop):
 - simple: schedule step N, launch it, wait for its tokens, process them;
@@ -36,11 +45,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Literal, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Literal, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -49,6 +59,7 @@ from engine import Engine, ForwardOutput
 from engine.core import Batch, Req, SamplingParams
 from engine.sample import INVALID_TOKEN
 from engine.utils.device import make_device_tensor, pin, pinned
+from harness.step_budget import StepBudget, StepCost, pairs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +67,8 @@ logger = logging.getLogger(__name__)
 LogitsHook = Callable[[int, int, torch.Tensor], None]
 # (uid, first position, router margins [rows, MoE layers] float32) -> None; needs EngineConfig.record_router_margins
 RouterHook = Callable[[int, int, torch.Tensor], None]
+# (uid, token, perf_counter when the host read it): every token a request keeps, in order; a step's share one time
+TokenHook = Callable[[int, int, float], None]
 Phase = Literal["prefill", "decode"]
 UNSAMPLED = SamplingParams()  # a chunk that is not its prompt's last: greedy, the cheapest draw, which is discarded
 
@@ -85,6 +98,21 @@ StepHook = Callable[[StepView], None]
 
 
 @dataclass
+class Arrival:
+    """A request as a Source hands it to serve(): its uid (unique in the run) names it in results and hooks."""
+
+    uid: int
+    prompt: List[int]
+    params: SamplingParams
+
+
+class Source(Protocol):
+    def take(self, finished: int, wait: bool) -> List[Arrival] | None:
+        """The requests that have arrived since the last call, in order, given how many of those handed over have
+        finished; wait: the loop is idle, so block until one arrives. None: none will arrive any more."""
+
+
+@dataclass
 class StepRecord:
     """One forward as the driver saw it. Host seconds by part; `seconds` is the step's period: from its launch to
     the next step's launch (or to the end of the run), which with overlap is the rate steps complete at."""
@@ -96,6 +124,8 @@ class StepRecord:
     start: float = 0.0  # perf_counter at the start of its scheduling
     seconds: float = 0.0
     host: Dict[str, float] = field(default_factory=dict)  # build, plan, sample_prep, launch, wait, process
+    pairs: int = 0  # attention (query, key) pairs of its extends (harness.step_budget.pairs)
+    decode_rows: int = 0  # running requests it decodes (a decode step's every row; a mixed step's first rows)
 
 
 @dataclass
@@ -131,6 +161,7 @@ class _Step:
     spans: List[Tuple[int, int, int]]  # (uid, first position, rows) of the logits handed to on_logits
     record: StepRecord
     batch: Batch
+    decode_rows: int = 0  # its first rows decode running requests (their input ids are gathered on the device)
     feed: torch.Tensor | None = None  # int64 flat token-pool indices of the members' sampled tokens (decode)
     out: ForwardOutput | None = None
 
@@ -201,13 +232,45 @@ def eos_token_ids(model_path: str | Path) -> List[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+@dataclass
+class _Hooks:
+    """What one run of the loop calls, and the EOS ids it stops at."""
+
+    eos: frozenset
+    on_finish: Callable[[GenResult], None]
+    on_logits: LogitsHook | None = None
+    on_step: StepHook | None = None
+    on_router: RouterHook | None = None
+    on_token: TokenHook | None = None
+
+
+class _Entries(Protocol):
+    def take(self, finished: int, wait: bool) -> Sequence[tuple] | None:
+        """A Source's take, each request as a waiting entry: (uid, prompt, params, forced, prefix_len)."""
+
+
+class _Everything:
+    """generate()'s source: every request at once."""
+
+    def __init__(self, entries: Deque[tuple]) -> None:
+        self.entries: Deque[tuple] | None = entries
+
+    def take(self, finished: int, wait: bool) -> Deque[tuple] | None:
+        entries, self.entries = self.entries, None
+        return entries
+
+
 class Driver:
     def __init__(self, engine: Engine, max_prefill_tokens: int = 4096, overlap: bool = True,
-                 prompt_logits: bool = True, decode_chunk_tokens: int = 1024) -> None:
+                 prompt_logits: bool = True, decode_chunk_tokens: int = 1024, step_budget: StepBudget | None = None,
+                 mixed: bool | None = None) -> None:
         """max_prefill_tokens: the most tokens one prefill step carries (at most the engine's max_forward_len);
-        longer prompts are prefilled in chunks. decode_chunk_tokens: while other requests decode, a chunk carries at
-        most this many (each chunk delays their next token by its time). prompt_logits: on_logits gets every prompt
-        position (False: each prompt's last only, one LM-head row)."""
+        longer prompts are prefilled in chunks. decode_chunk_tokens: while other requests decode, the prompt work of a
+        step costs at most as much as this many prompt tokens at depth 0 (the default step budget, in the model's
+        FLOPs; alternating steps: a chunk's tokens). step_budget: another budget for mixed steps (a stall over a
+        measured cost). mixed: decode running requests in the steps that carry prompt work (default: unless the
+        engine is batch-invariant). prompt_logits: on_logits gets every prompt position (False: each prompt's last
+        only, one LM-head row)."""
         if max_prefill_tokens < 1 or decode_chunk_tokens < 1:
             raise ValueError(f"max_prefill_tokens ({max_prefill_tokens}) and decode_chunk_tokens "
                              f"({decode_chunk_tokens}) must be >= 1")
@@ -215,6 +278,12 @@ class Driver:
         self.prompt_logits = prompt_logits
         self.max_prefill_tokens = min(max_prefill_tokens, engine.config.max_forward_len)
         self.decode_chunk_tokens = decode_chunk_tokens
+        self.mixed = not engine.config.batch_invariant if mixed is None else mixed
+        if self.mixed and engine.config.batch_invariant:
+            raise ValueError("mixed steps put running requests through prefill batches; batch-invariant mode forbids "
+                             "it (leave mixed unset)")
+        self.budget = step_budget or StepBudget(StepCost.from_config(engine.config.model_config),
+                                                tokens=decode_chunk_tokens)
         self._after_chunk = False  # the last step carried a chunk that was not its prompt's last: decodes go next
         self._waiting_logged: int | None = None  # the uid whose wait for pages was logged last
         self.overlap = overlap
@@ -247,33 +316,76 @@ class Driver:
             (uid, list(map(int, prompts[uid])), plist[uid], None if forced is None else list(forced[uid]),
              0 if prefix_lens is None else prefix_lens[uid]) for uid in range(n))
         for uid, prompt, p, f, _ in waiting:
-            self._check_fits(uid, len(prompt), len(f) if f is not None else p.max_tokens)
+            self.check_fits(uid, len(prompt), len(f) if f is not None else p.max_tokens)
         results: Dict[int, GenResult] = {}
+        self._loop(_Everything(waiting), _Hooks(frozenset(eos_ids), lambda r: results.__setitem__(r.uid, r),
+                                                on_logits, on_step, on_router))
+        return [results[uid] for uid in range(n)]
+
+    @torch.inference_mode()
+    def serve(self, source: Source, eos_ids: Sequence[int] = (), on_token: TokenHook | None = None,
+              on_finish: Callable[[GenResult], None] | None = None, on_step: StepHook | None = None) -> None:
+        """Serve the requests source hands over as they arrive, until it has none left and all have finished:
+        on_token as the host reads each token, on_finish with each request's result. A request that cannot fit the
+        engine raises ValueError when it arrives (check_fits tells beforehand)."""
+        def arrived(a: Arrival) -> tuple:
+            self.check_fits(a.uid, len(a.prompt), a.params.max_tokens)
+            return a.uid, list(map(int, a.prompt)), a.params, None, 0
+
+        class Checked:
+            def take(self, finished: int, wait: bool) -> List[tuple] | None:
+                got = source.take(finished, wait)
+                return None if got is None else [arrived(a) for a in got]
+
+        self._loop(Checked(), _Hooks(frozenset(eos_ids), on_finish or (lambda r: None), on_step=on_step,
+                                     on_token=on_token))
+
+    def _loop(self, source: _Entries, hooks: _Hooks) -> None:
+        """The loop both entry points share: take what arrived (waiting for it when idle), schedule, launch,
+        process (one step late with overlap)."""
+        waiting: Deque[tuple] = deque()
         running: List[_Running] = []
-        eos = frozenset(eos_ids)
+        finished = [0]
+        finish = hooks.on_finish
+
+        def count(r: GenResult) -> None:
+            finished[0] += 1
+            finish(r)
+
+        hooks.on_finish = count
         first = len(self.steps)
         pending: List[_Step] = []  # launched, not processed (overlap only)
-        while waiting or running or pending:
-            steps = self._schedule(waiting, running, on_logits)
+        open_ = True
+        while True:
+            idle = not (waiting or running or pending)
+            if open_:
+                got = source.take(finished[0], wait=idle)
+                open_ = got is not None
+                waiting.extend(got or ())
+            if not (waiting or running or pending):
+                if open_:
+                    continue
+                break
+            steps = self._schedule(waiting, running, hooks.on_logits)
             for step in steps:
                 self._launch(step)
-                if on_step is not None:
+                if hooks.on_step is not None:
                     live = [LiveRequest(r.req.uid, r.req.table_idx, r.pages.tolist(), r.req.cached_len)
                             for r in running]
-                    on_step(StepView(step.phase, step.batch, step.spans, live, self.pages.free_pages))
+                    hooks.on_step(StepView(step.phase, step.batch, step.spans, live, self.pages.free_pages))
             if self.overlap:
                 for step in pending:
-                    self._process(step, eos, results, on_logits, on_router)
+                    self._process(step, hooks)
                 pending = steps
             else:
                 for step in steps:
-                    self._process(step, eos, results, on_logits, on_router)
+                    self._process(step, hooks)
         self._close_records(first)
         self.pages.check_no_leak()
-        return [results[uid] for uid in range(n)]
 
     # ---------------------------------------------------------------------------------------- admission
-    def _check_fits(self, uid: int, prompt_len: int, max_tokens: int) -> None:
+    def check_fits(self, uid: int, prompt_len: int, max_tokens: int) -> None:
+        """A ValueError saying why a request can never be served here (an empty or too long prompt, a small pool)."""
         if prompt_len == 0:
             raise ValueError(f"request {uid}: the prompt is empty (at least one token is needed)")
         need = prompt_len + max_tokens
@@ -288,16 +400,16 @@ class Driver:
             raise ValueError(f"request {uid}: needs {need} KV slots but the pool holds only "
                              f"{self.pages.num_pages * self.page_size}; raise num_page_override or memory_ratio")
 
-    def _admit(self, waiting: Deque, budget: int, first: bool) -> _Running | None:
+    def _admit(self, waiting: Deque, tokens: int, allowance: float, first: bool) -> _Running | None:
         """The next waiting request, with a slot and its pages for the whole request (prompt and max_tokens), if
-        they are free and its prompt fits the step's remaining budget (a step's first may be longer: it is cut into
-        chunks); None when it must wait."""
+        they are free and its prompt fits the step's remaining tokens and allowance (a step's first may be longer:
+        it is cut into chunks); None when it must wait."""
         if not waiting or not self.free_rows:
             return None
         uid, prompt, p, f, prefix_len = waiting[0]
         max_tokens = len(f) if f is not None else p.max_tokens
         npages = -(-(len(prompt) + max_tokens) // self.page_size)
-        if not first and len(prompt) > budget:
+        if not first and (len(prompt) > tokens or self.budget.cost.variable(len(prompt), 0) > allowance):
             return None
         if npages > self.pages.num_free:
             if self._waiting_logged != uid:  # once a request: the loop asks again every step
@@ -335,8 +447,8 @@ class Driver:
     def _schedule(self, waiting: Deque, running: List[_Running], on_logits: LogitsHook | None) -> List[_Step]:
         """The next steps from what the host knows: requests whose last token is launched, or that were seen to
         stop at EOS, give their slot and pages back first (stream order keeps their in-flight writes before any
-        later use); then a decode if the last step carried a chunk and requests are decoding, else a prefill of
-        whatever fits, else a decode."""
+        later use); then a prefill of whatever fits (mixed: after every running request's decode), else a decode.
+        Alternating steps: a decode first if the last step carried a chunk and requests are decoding."""
         t0 = time.perf_counter()
         done = [r.launched >= r.max_tokens or bool(r.result.finish_reason) for r in running]
         for r in (r for r, d in zip(running, done) if d):
@@ -344,28 +456,36 @@ class Driver:
         running[:] = [r for r, d in zip(running, done) if not d]
         decoding = [r for r in running if not r.prefilling]
         yield_to_decode, self._after_chunk = self._after_chunk and bool(decoding), False
-        if not yield_to_decode:
-            step = self._prefill_step(waiting, running, bool(decoding), on_logits, t0)
+        if self.mixed or not yield_to_decode:
+            step = self._prefill_step(waiting, running, decoding, on_logits, t0)
             if step is not None:
                 return [step]
-        return [self._make_step("decode", [r.req for r in decoding], decoding, on_logits, t0)] if decoding else []
+        if not decoding:
+            return []
+        return [self._make_step("decode", [r.req for r in decoding], decoding, on_logits, t0, len(decoding))]
 
-    def _prefill_step(self, waiting: Deque, running: List[_Running], decoding: bool, on_logits: LogitsHook | None,
-                      t0: float) -> _Step | None:
-        """The next chunks of prompts under way, then newly admitted requests, within the budget."""
-        budget = self.max_prefill_tokens
+    def _prefill_step(self, waiting: Deque, running: List[_Running], decoding: List[_Running],
+                      on_logits: LogitsHook | None, t0: float) -> _Step | None:
+        """The next chunks of prompts under way, then newly admitted requests, within the budget: the step's tokens
+        and, in a mixed step, after the decodes of every running request, the step budget's allowance."""
+        rows = decoding if self.mixed else []
+        tokens = self.max_prefill_tokens - len(rows)
+        allowance = self.budget.allowance(len(rows), sum(r.req.device_len for r in rows)) if rows else math.inf
         chunks: List[Req] = []  # chunks that are not their prompt's last: nothing of theirs is sampled
         members: List[_Running] = []
         under_way = [r for r in running if r.prefilling]
-        while budget > 0:
+        while tokens > 0 and (allowance > 0 or not (chunks or members)):
             admitting = not under_way
-            r = self._admit(waiting, budget, first=not (chunks or members)) if admitting else under_way.pop(0)
+            r = (self._admit(waiting, tokens, allowance, first=not (chunks or members)) if admitting
+                 else under_way.pop(0))
             if r is None:
                 break
             if admitting:
                 running.append(r)
-            req = self._next_chunk(r, budget, decoding)
-            budget -= req.extend_len
+            start = r.req.cached_len
+            req = self._next_chunk(r, tokens, allowance, bool(decoding) and not self.mixed)
+            tokens -= req.extend_len
+            allowance -= self.budget.cost.variable(req.extend_len, start)
             if req is r.req:  # its last chunk: the step samples its first token
                 members.append(r)
             else:
@@ -373,18 +493,23 @@ class Driver:
         if not (chunks or members):
             return None
         self._after_chunk = bool(chunks)
-        # the members lead the batch: the step's first sampled tokens are theirs (feed-back and processing read them)
-        return self._make_step("prefill", [r.req for r in members] + chunks, members, on_logits, t0)
+        # the decodes, then the members lead the batch: the step's first sampled tokens are theirs (feed-back and
+        # processing read them)
+        return self._make_step("prefill", [r.req for r in rows + members] + chunks, rows + members, on_logits, t0,
+                               len(rows))
 
-    def _next_chunk(self, r: _Running, budget: int, decoding: bool) -> Req:
+    def _next_chunk(self, r: _Running, tokens: int, allowance: float, alternating: bool) -> Req:
         """The request's next prefill chunk: the rest of its prompt (the request itself, which samples), or a
-        chunk that ends at its prefix length (the prefix path), at the budget or, for a prompt over the step budget
-        while others decode, at decode_chunk_tokens (a request of its own that samples nothing the driver keeps)."""
+        chunk that ends at its prefix length (the prefix path), at the step's tokens or allowance (mixed) or, for a
+        prompt over the budget in an alternating step while others decode, at decode_chunk_tokens (a request of its
+        own that samples nothing the driver keeps)."""
         start, prompt_len = r.req.cached_len, len(r.result.prompt_ids)
         end = r.prefix_len if start < r.prefix_len < prompt_len else prompt_len
-        limit = budget
+        limit = tokens
+        if allowance < math.inf:
+            limit = self.budget.chunk(allowance, start, limit)
         # batch-invariant mode: a prompt's chunks never follow whether others decode
-        if (decoding or self.engine.config.batch_invariant) and prompt_len > self.max_prefill_tokens:
+        elif (alternating or self.engine.config.batch_invariant) and prompt_len > self.max_prefill_tokens:
             limit = min(limit, self.decode_chunk_tokens)
         end = min(end, start + limit)
         if end == prompt_len:
@@ -393,14 +518,15 @@ class Driver:
         return Req(r.req.input_ids[:end], r.req.table_idx, start, 1, r.req.uid, UNSAMPLED, None)
 
     def _make_step(self, phase: Phase, reqs: List[Req], members: List[_Running], on_logits: LogitsHook | None,
-                   t0: float) -> _Step:
+                   t0: float, decode_rows: int = 0) -> _Step:
         spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
-        record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0)
+        record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0,
+                            pairs=sum(pairs(n, s) for _, s, n in spans), decode_rows=decode_rows)
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
                       ("all" if phase == "prefill" and self.prompt_logits else "last"))
         self.engine.graph_runner.pad_batch(batch)
         record.host["build"] = time.perf_counter() - t0
-        return _Step(phase, members, spans, record, batch)
+        return _Step(phase, members, spans, record, batch, decode_rows if phase == "prefill" else 0)
 
     def _decode_inputs(self, batch: Batch) -> torch.Tensor:
         """The inputs of the tokens sampled last step, gathered on the device at each request's (row, last
@@ -425,14 +551,21 @@ class Driver:
         width = self.token_pool.shape[1]
         return np.fromiter((r.table_idx * width + r.device_len - 1 for r in reqs), np.int64, len(reqs))
 
-    def _prefill_inputs(self, batch: Batch) -> None:
+    def _prefill_inputs(self, batch: Batch, decode_rows: int) -> None:
         """Ids, positions and KV slots of the batch's new tokens, in one pinned buffer laid out as the device inputs
-        they go to (the static inputs of the graph the batch replays, padded to its bucket) and one copy."""
+        they go to (the static inputs of the graph the batch replays, padded to its bucket) and one copy. The first
+        decode_rows requests decode (a mixed step): their ids, sampled by a step the host may not have read yet, are
+        gathered from the token pool on the device afterwards (stream order puts the sampling step's feed-back
+        first)."""
         n = sum(r.extend_len for r in batch.reqs)
         runner = self.engine.graph_runner
         host, ids, pos, slots = runner.host_inputs(batch, n, pin(self.engine.device))
-        start = 0
-        for r in batch.reqs:
+        if decode_rows:  # ids and KV slots come from the device below
+            flat = self._last_flat(batch.reqs[:decode_rows])
+            ids[:decode_rows], slots[:decode_rows] = 0, 0
+            pos[:decode_rows] = flat % self.token_pool.shape[1]
+        start = decode_rows
+        for r in batch.reqs[decode_rows:]:
             span = np.arange(r.cached_len, r.device_len)
             end = start + len(span)
             ids[start:end] = r.input_ids[r.cached_len: r.device_len].numpy()
@@ -440,6 +573,10 @@ class Driver:
             slots[start:end] = self._slots(r.table_idx, span)
             start = end
         runner.stage_inputs(batch, host, n)
+        if decode_rows:
+            at = pinned(flat, torch.int64, self.engine.device).to(self.engine.device, non_blocking=True)
+            batch.input_ids[:decode_rows] = self.token_pool.view(-1).index_select(0, at)
+            batch.out_loc[:decode_rows] = self.engine.page_table.view(-1).index_select(0, at)
 
     def _slots(self, row: int, positions: np.ndarray) -> np.ndarray:
         pages = self.row_pages[row]
@@ -455,7 +592,7 @@ class Driver:
         if step.phase == "decode":  # its members are its requests, in order
             step.feed = self._decode_inputs(batch)
         else:
-            self._prefill_inputs(batch)
+            self._prefill_inputs(batch, step.decode_rows)
         host["build"] += time.perf_counter() - t
         t = time.perf_counter()
         eng.attn_backend.prepare_metadata(batch)
@@ -488,12 +625,13 @@ class Driver:
             pool.index_copy_(0, feed[make_device_tensor(list(idx), torch.int64, self.engine.device)],
                              make_device_tensor(list(tokens), torch.int32, self.engine.device))
 
-    def _process(self, step: _Step, eos: frozenset, results: Dict[int, GenResult],
-                 on_logits: LogitsHook | None, on_router: RouterHook | None = None) -> None:
+    def _process(self, step: _Step, hooks: _Hooks) -> None:
         t = time.perf_counter()
         step.out.copy_done_event.synchronize()
-        step.record.host["wait"] = time.perf_counter() - t
+        read = time.perf_counter()  # when the host has the step's tokens
+        step.record.host["wait"] = read - t
         t = time.perf_counter()
+        on_logits, on_router = hooks.on_logits, hooks.on_router
         if on_logits is not None:
             logprobs = torch.log_softmax(step.out.logits, dim=-1)
             stopped = {r.result.uid for r in step.members if r.result.finish_reason}  # a wasted slot-step's rows
@@ -520,10 +658,12 @@ class Driver:
             out.append(tok)
             if len(out) >= r.max_tokens:
                 r.result.finish_reason = "length"
-            elif r.forced is None and not r.req.sampling_params.ignore_eos and tok in eos:
+            elif r.forced is None and not r.req.sampling_params.ignore_eos and tok in hooks.eos:
                 r.result.finish_reason = "eos"
+            if hooks.on_token is not None:
+                hooks.on_token(r.result.uid, tok, read)
             if r.result.finish_reason:
-                results[r.result.uid] = r.result
+                hooks.on_finish(r.result)
         step.record.host["process"] = time.perf_counter() - t
 
     # ---------------------------------------------------------------------------------------- helpers

@@ -4,6 +4,10 @@ Each request's K/V is gathered from its page-table row into a padded [B, Hkv, Lk
 SDPA under an explicit mask: key j is visible to query i when j <= cached_len + i, and on a sliding layer also
 when (cached_len + i) - j < window (HF's rule: the query's own key and window - 1 before it).
 
+A prefill batch of several requests is attended in blocks instead: its one-token extends (running requests decoding
+beside a prompt's chunk) together, every longer extend on its own. Padded to the longest, a decode row costs as much
+as a 1,000-token chunk, and a 64-token prompt as much as a 1,000-token one.
+
 Padding every request to the batch's longest changes the lengths SDPA sums each query's keys over, and so a
 request's bits with its batch: in batch-invariant mode (per_request) each request is attended on its own, over
 exactly its own keys, one SDPA call each.
@@ -28,6 +32,12 @@ class TorchAttnMetadata(BaseAttnMetadata):
     q_index: torch.Tensor  # [B, Lq] int64 row into the packed tokens (0 where padded)
     q_valid: torch.Tensor  # [B, Lq] bool
     masks: dict  # window (None = full) -> [B, 1, Lq, Lk] bool, True = attend
+
+
+@dataclass
+class BlocksMetadata(BaseAttnMetadata):
+    blocks: List[TorchAttnMetadata]  # each over some of the requests, padded among them
+    rows: List[torch.Tensor]  # [tokens of the block] int64: where each block's tokens are in the packed batch
 
 
 @dataclass
@@ -63,9 +73,26 @@ class TorchBackend(AttentionBackend):
     def prepare_metadata(self, batch: Batch) -> None:
         if self.per_request:
             return self._prepare_per_request(batch)
-        ctx = get_global_ctx()
         reqs = batch.padded_reqs
-        device = ctx.page_table.device
+        cu = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor([r.extend_len for r in reqs]), 0)
+        ones = [i for i, r in enumerate(reqs) if r.extend_len == 1]
+        groups = ([ones] if ones else []) + [[i] for i, r in enumerate(reqs) if r.extend_len > 1]
+        if not batch.is_prefill or len(groups) == 1:
+            batch.attn_metadata = self._block(reqs, cu[:-1])
+            return
+        device = get_global_ctx().page_table.device
+        blocks, rows = [], []
+        for group in groups:
+            starts = cu[group]
+            blocks.append(self._block([reqs[i] for i in group], starts))
+            rows.append(torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts, cu[[i + 1 for i in group]])])
+                        .to(device))
+        batch.attn_metadata = BlocksMetadata(cu_seqlens_q=cu.to(torch.int32).to(device), blocks=blocks, rows=rows)
+
+    def _block(self, reqs: List, starts: torch.Tensor) -> TorchAttnMetadata:
+        """The padded block of these requests, whose tokens start at rows `starts` of the packed batch."""
+        device = get_global_ctx().page_table.device
         ext = torch.tensor([r.extend_len for r in reqs])
         cached = torch.tensor([r.cached_len for r in reqs])
         kv_len = cached + ext
@@ -83,11 +110,11 @@ class TorchBackend(AttentionBackend):
             mask = visible(qpos[:, :, None], kpos[None, None, :], window) & kv_valid[:, None, :]
             mask = mask | (~q_valid[:, :, None] & (kpos == 0))  # padded queries see key 0 so softmax stays finite
             masks[window] = mask.unsqueeze(1).to(device)
-        page_table = ctx.page_table[rows.to(device), :lk].long()
-        batch.attn_metadata = TorchAttnMetadata(
+        page_table = get_global_ctx().page_table[rows.to(device), :lk].long()
+        return TorchAttnMetadata(
             cu_seqlens_q=cu.to(device),
             kv_slots=torch.where(kv_valid.to(device), page_table, 0),
-            q_index=torch.where(q_valid, cu[:-1, None] + qi[None, :], 0).to(device),
+            q_index=torch.where(q_valid, starts[:, None] + qi[None, :], 0).to(device),
             q_valid=q_valid.to(device),
             masks=masks,
         )
@@ -115,7 +142,16 @@ class TorchBackend(AttentionBackend):
         k_slots, v_slots = get_global_ctx().kv_cache.slots(layer_id)
         if isinstance(batch.attn_metadata, PerRequestMetadata):
             return self._forward_per_request(q, k_slots, v_slots, self.windows[layer_id], batch.attn_metadata)
-        md: TorchAttnMetadata = batch.attn_metadata
+        if isinstance(batch.attn_metadata, BlocksMetadata):
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            for md, rows in zip(batch.attn_metadata.blocks, batch.attn_metadata.rows):
+                out[rows] = self._forward_block(q, k_slots, v_slots, layer_id, md, False)
+            return out
+        return self._forward_block(q, k_slots, v_slots, layer_id, batch.attn_metadata, batch.is_decode)
+
+    def _forward_block(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, layer_id: int,
+                       md: TorchAttnMetadata, decode: bool) -> torch.Tensor:
+        """[tokens of the block, Hq * D], in the block's order (the packed batch's when it holds every request)."""
         mask = md.masks[self.windows[layer_id]]
         n, hq, d = q.shape
         hkv = k_slots.shape[1]
@@ -124,14 +160,14 @@ class TorchBackend(AttentionBackend):
         keys = k_slots.index_select(0, slots).view(bsz, lk, hkv, d)
         values = v_slots.index_select(0, slots).view(bsz, lk, hkv, d)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, Lk, D]
-        if batch.is_decode:  # one query per request, already in order: no gather, no scatter back
+        if decode:  # one query per request, already in order: no gather, no scatter back
             out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=hq != hkv)
             return out.reshape(n, hq * d)
         queries = q[md.q_index].transpose(1, 2)  # [B, Hq, Lq, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=hq != hkv)
-        return out.transpose(1, 2)[md.q_valid].reshape(n, hq * d)  # back to packed [N, Hq * D]
+        return out.transpose(1, 2)[md.q_valid].reshape(-1, hq * d)  # back to packed [N, Hq * D]
 
     def _forward_per_request(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                              window: int | None, md: PerRequestMetadata) -> torch.Tensor:

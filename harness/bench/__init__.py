@@ -3,11 +3,14 @@ and the hardware's limit measured on the same device (limits); on CUDA each deco
 (profile); run measures, report writes the tables and plots; against compares this tree with another revision in
 one run (ab_runner: one side's process, ab_stats: the paired ratio, its interval and the performance gate,
 ab_report: its report and plot); invariance measures the default mode's batch variance and batch-invariant mode's
-cost."""
+cost; serving replays arrival traces (arrivals) against any engine, with vLLM's serving metrics (serving_metrics),
+its report (serving_report) and its gate against another revision (serving_gate); step_cost measures the cost model
+the driver's step budget can follow."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,16 +41,61 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="instead: this engine against another (vllm, openai:URL, python:MODULE:CLASS) on the same "
                         "model and cores, interleaved, each row a ratio with its interval (default model: "
                         "smollm2-135m; --repeats: paired repeats, default 5); writes peer.md under reports/peers/")
+    s = p.add_argument_group("serving (--serve)")
+    s.add_argument("--serve", action="store_true",
+                   help="instead: requests arriving over time, measured as `vllm bench serve` measures a server (TTFT, "
+                        "TPOT, ITL, E2EL, throughput, goodput) at each point, each engine in turn; with --engine also "
+                        "the other on the same traces; with --against REF the serving gate; writes serve.md "
+                        "(docs/bench.md, Serving)")
+    s.add_argument("--rate", action="append", metavar="R",
+                   help="requests a second (inf: all at once), repeatable; default: a sweep up to saturation")
+    s.add_argument("--concurrency", action="append", type=int, metavar="N",
+                   help="at most N requests in flight, each sent when one finishes, repeatable")
+    s.add_argument("--burstiness", type=float, default=1.0,
+                   help="the arrivals' gamma shape: 1 Poisson (default), below 1 burstier")
+    s.add_argument("--lengths", metavar="SPEC",
+                   help="uniform:IN:OUT[:RATIO] or lognormal:IN:OUT[:SIGMA], then optionally ,long:LEN:SHARE "
+                        "(default: uniform:128:32:0.5,long:1024:0.1 on cpu, uniform:1024:128:0.5,long:16384:0.05 "
+                        "on cuda)")
+    s.add_argument("--dataset", choices=("random", "text"), default="random",
+                   help="prompts of random token ids, or excerpts of the committed real text")
+    s.add_argument("--num-prompts", type=int, help="requests a trace (default: 32 cpu, 256 cuda)")
+    s.add_argument("--seed", type=int, default=0, help="the first trace's seed (repeat i: seed + i)")
+    s.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="the SLO goodput counts against, vLLM's: ttft:MS tpot:MS e2el:MS (any of them)")
+    s.add_argument("--trace", type=Path, metavar="FILE",
+                   help="replay this trace file's requests at its arrival times (docs/bench.md, Serving)")
+    s.add_argument("--stall", type=float, metavar="X",
+                   help="this engine's step budget: a step at most X times its decodes alone, over a cost model "
+                        "measured first (default: the driver's token budget)")
     add_update_flag(p)
     p.set_defaults(func=_command)
 
 
 AGAINST_ONLY = ("repeats", "rounds", "fail_if_slower")
+SERVE_ONLY = ("rate", "concurrency", "lengths", "num_prompts", "goodput", "trace", "stall")
 
 
 def _command(args: argparse.Namespace) -> int:
     from harness import UserError
 
+    if args.serve:
+        if args.batch_invariant:
+            raise UserError("--serve and --batch-invariant are separate runs: give one of them")
+        if args.against is not None and args.engine != "engine":
+            raise UserError("the serving gate (--serve --against REF) runs this engine's revisions; leave --engine "
+                            "out")
+        stray = [f"--{k.replace('_', '-')}" for k in ("rounds", "fail_if_slower") if getattr(args, k) is not None]
+        if stray and args.against is None:
+            raise UserError(f"{' '.join(stray)}: only the serving gate takes it; add --against REF")
+        if args.against is not None:
+            from harness.bench.serving_gate import command
+        else:
+            from harness.bench.serving import command
+        return command(args)
+    serve_flags = [f"--{k.replace('_', '-')}" for k in SERVE_ONLY if getattr(args, k) is not None]
+    if serve_flags:
+        raise UserError(f"{' '.join(serve_flags)}: only a serving run takes it; add --serve")
     stray = [f"--{k.replace('_', '-')}" for k in AGAINST_ONLY if getattr(args, k) is not None
              and not (k == "repeats" and args.engine != "engine")]
     if args.engine != "engine" and (args.against is not None or args.batch_invariant):

@@ -14,7 +14,7 @@ COLUMNS = ["model", "workload", "batch_size", "length", "ref_median_s", "new_med
 
 
 def row_name(row: Dict[str, Any]) -> str:
-    return f"{row['model']} {row['workload']} bs {row['batch_size']} len {row['length']}"
+    return row.get("name") or f"{row['model']} {row['workload']} bs {row['batch_size']} len {row['length']}"
 
 
 def gate(rows: List[Dict[str, Any]], pct: float | None) -> List[Dict[str, Any]]:
@@ -59,7 +59,8 @@ def plot(result: Dict[str, Any], path: Path) -> Path:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yticks(range(len(rows)), [row_name(r) for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("reference time / new time, with its interval (above 1: the new revision is faster)")
+    ax.set_xlabel(result.get("xlabel", "reference time / new time, with its interval (above 1: the new revision is "
+                                       "faster)"))
     ax.set_title(f"This tree against {result['ref']['named']} ({result['host']['dtype']})", fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()

@@ -81,3 +81,14 @@ def slower_beyond(high: float, pct: float) -> bool:
     is high, lies wholly beyond pct percent slower, so that even the interval's most favourable reading has the new
     revision more than pct percent slower. An interval that reaches the threshold passes: the run cannot tell."""
     return high < threshold_ratio(pct)
+
+
+def mean_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the repeats' mean with its t-interval; one repeat has no interval (nan)."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, math.nan, math.nan
+    half = float(t.ppf((1 + confidence) / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return mean, mean - half, mean + half

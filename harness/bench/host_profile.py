@@ -125,7 +125,7 @@ def host_profile(model: ModelRef | str, device: str, out: Path, repeats: int = 1
         device=device, max_running_req=max(sizes), use_dummy_weight=not ref.has_weights,
         max_seq_len_override=max(max(lengths), ctx + 2 * repeats + 8) + 64))
     vocab = engine.config.model_config.vocab_size
-    driver = Driver(engine)
+    driver = Driver(engine, mixed=False)  # every prompt prefilled before the decode steps it profiles
     out.mkdir(parents=True, exist_ok=True)
     summary: Dict[str, Any] = {"model": model, "device": device}
 

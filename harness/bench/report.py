@@ -82,6 +82,11 @@ def targets(result: Dict[str, Any]) -> List[Dict[str, Any]]:
             out.append(_target(model, "offline workload >= 23,000 tok/s and >= 62% of its floor",
                                f"{off['tokens_per_s']:,.0f} tok/s, {100 * off['fraction_of_floor']:.0f}%",
                                off["tokens_per_s"] >= 23000 and off["fraction_of_floor"] >= 0.62))
+        alternating = _get(rows, model=model, runner="engine", workload="offline_alternating")
+        if off and alternating:
+            out.append(_target(model, "offline workload: mixed steps (new requests beside the running ones' decodes) "
+                               "against alternating steps", f"{off['tokens_per_s']:,.0f} against "
+                               f"{alternating['tokens_per_s']:,.0f} tok/s", "-"))
         greedy = _get(rows, model=model, runner="engine", workload="offline_greedy")
         if off and greedy:
             out.append(_target(model, "offline workload: what sampling at temperature 0.6 costs (the run minus the "
@@ -295,7 +300,9 @@ def _write_model_report(result: Dict[str, Any], out: Path, update: bool) -> List
           "offline: the nano-vllm / mini-sglang workload (random.seed(0), input and output lengths randint"
           f"{tuple(result['spec']['offline'][1:])}, {result['spec']['offline'][0]} requests, EOS ignored, tokens "
           f"actually produced counted, sampled at temperature 0.6 as nano-vllm samples it); offline_greedy: the same "
-          f"requests greedy; offline_subset: its first {result['spec']['hf_offline'][0]} requests with "
+          f"requests greedy; offline_alternating: the same as offline with alternating steps (Driver(mixed=False): "
+          "no request admitted beside the running ones' decodes); offline_subset: its first "
+          f"{result['spec']['hf_offline'][0]} requests with "
           f"outputs capped at {result['spec']['hf_offline'][1]} tokens, run by both the engine and HF.\n\n"
           + "".join(f"![{p}]({p})\n" for p in plots) +
           f"\n## Provenance\n{provenance_markdown(prov)}")

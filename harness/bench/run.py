@@ -154,10 +154,14 @@ def bench_model(ref: ModelRef | str, device: str, spec: BenchSpec, limits: Limit
             for bs in batches:
                 rows.append(_progress(_decode_rows(model, "engine-simple", simple, bs, spec.decode_ctx, spec, vocab,
                                                    cost, limits)[0], clock))
-            # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs
+            # offline_greedy: the same requests at temperature 0, so the difference is what sampling costs;
+            # offline_alternating: the same as offline with alternating steps, so the difference is what mixing them
+            # (the requests admitted beside the running ones' decodes) gains or costs
             for name, (ps, os_) in (("offline", (prompts, outs)), ("offline_greedy", (prompts, outs)),
-                                    ("offline_subset", (sub_prompts, sub_outs))):
-                run = engine_offline(driver, ps, os_, greedy=name != "offline")
+                                    ("offline_subset", (sub_prompts, sub_outs)),
+                                    ("offline_alternating", (prompts, outs))):
+                run = engine_offline(Driver(engine, mixed=False) if name == "offline_alternating" else driver, ps, os_,
+                                     greedy=name in ("offline_greedy", "offline_subset"))
                 rows.append(_progress(_offline_row(model, runner, name, run, cost, limits), clock))
             # last: on the H200 the same offline run after these synthetic GEMM graphs took 2.3% longer (5.80 ->
             # 5.93 s, a fresh driver each time; the same clocks and temperature), the workloads before them did not
@@ -211,8 +215,7 @@ def _offline_row(model: str, runner: str, name: str, run: Any, cost: ModelCost, 
     """Whole-run floor: every step's bytes and FLOPs (from the driver's log) over the measured limits."""
     floor = 0.0
     for s in run.steps:
-        pairs = s.kv_tokens if s.phase == "decode" else s.num_tokens * s.kv_tokens // max(2 * s.batch_size, 1)
-        nbytes_flops = cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, pairs, rows=s.batch_size)
+        nbytes_flops = cost.forward(s.num_tokens, s.kv_tokens - s.num_tokens, s.pairs, rows=s.batch_size)
         floor += limits.floor_seconds(*nbytes_flops)
     return {"model": model, "runner": runner, "workload": name, "batch_size": len(run.steps) and max(
         s.batch_size for s in run.steps), "length": run.output_tokens, "median_s": run.seconds, "samples": 1,

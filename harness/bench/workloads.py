@@ -6,8 +6,9 @@ import gc
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
@@ -131,15 +132,28 @@ def fit_batches(sizes: Sequence[int], per_request: int, pool: int) -> Tuple[List
     return fits + ([most] if unfit and most > max(fits, default=0) else []), unfit
 
 
+@contextmanager
+def alternating(driver: Driver) -> Iterator[Driver]:
+    """The driver with alternating steps meanwhile: every prompt is prefilled before the requests decode together
+    (mixed steps would start the first admitted decoding while the others prefill, and a decode step of all bs would
+    come later, fewer and deeper)."""
+    mixed, driver.mixed = driver.mixed, False
+    try:
+        yield driver
+    finally:
+        driver.mixed = mixed
+
+
 def engine_decode(driver: Driver, bs: int, ctx: int, steps: int, vocab: int) -> List[StepRecord]:
     """The decode steps of bs requests at context ctx on average, all running (the first decode after a prefill left
-    out)."""
+    out), with alternating steps."""
     prompts = [random_ids(decode_prompt_len(ctx, steps), vocab, seed=1000 + i) for i in range(bs)]
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
-    driver.steps.clear()
-    settle()
-    driver.generate(prompts, params)
+    with alternating(driver):
+        driver.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up
+        driver.steps.clear()
+        settle()
+        driver.generate(prompts, params)
     return [s for s in driver.steps if s.phase == "decode" and s.batch_size == bs][1:]
 
 
@@ -148,52 +162,21 @@ def decode_at(driver: Driver, bs: int, ctx: int, vocab: int) -> StepRecord:
     lists and lengths at context ctx, for the graph's replay to be profiled there (engine_decode's steps average ctx;
     its last attends ctx + steps / 2). Returns the step's record."""
     prompts = [random_ids(ctx - 1, vocab, seed=2000 + i) for i in range(bs)]
-    driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
+    with alternating(driver):
+        driver.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # the prefill's token, then one decode
     return driver.steps[-1]
 
 
-def decode_gaps(records: List[StepRecord], through_prefill: bool = False) -> List[float]:
-    """Seconds between consecutive decode steps' launches: the running requests' inter-token latencies (each decode
-    step gives every one of them a token). through_prefill: only up to the first decode step after the last prefill
-    step, the gaps an arriving prompt's chunks fall in."""
-    decodes = [i for i, r in enumerate(records) if r.phase == "decode"]
-    if through_prefill:
-        last = max(i for i, r in enumerate(records) if r.phase == "prefill")
-        decodes = [i for i in decodes if i < last] + [i for i in decodes if i > last][:1]
-    return [records[b].start - records[a].start for a, b in zip(decodes, decodes[1:])]
-
-
-@dataclass
-class Interleaved:
-    alone: List[float]  # inter-token latencies of the running requests alone
-    arriving: List[float]  # the same while the long prompt is prefilled in chunks
-    long_ttft: float  # the long prompt's first chunk's launch to the end of its last chunk's step
-
-
-def engine_interleaved(driver: Driver, bs: int, ctx: int, long_len: int, vocab: int) -> Interleaved:
-    """bs requests of ctx-token prompts decoding, alone and with a prompt of long_len tokens arriving behind them
-    (admitted once they are prefilled: its chunks alternate with their decode steps). They decode for as many steps
-    as it has chunks while they run, and 16 more."""
-    shorts = [random_ids(ctx, vocab, seed=3000 + i) for i in range(bs)]
-    long_prompt = random_ids(long_len, vocab, seed=long_len)
-    chunk = min(driver.max_prefill_tokens, driver.decode_chunk_tokens)  # its chunks while they decode
-    params = [SamplingParams(max_tokens=-(-long_len // chunk) + 16, ignore_eos=True)] * bs
-    first = [SamplingParams(max_tokens=1, ignore_eos=True)]
-    runs = []
-    for arriving in (True, False, True):  # the first is warm-up
-        driver.steps.clear()
-        settle()
-        driver.generate(shorts + [long_prompt] * int(arriving), params + first * int(arriving))
-        runs.append(list(driver.steps))
-    alone, busy = runs[1], runs[2]
-    prefilled, chunks = 0, []
-    for r in busy:  # the running requests' prompts are prefilled first: the prefill steps after them are chunks
-        if r.phase == "prefill":
-            if prefilled >= bs * ctx:
-                chunks.append(r)
-            prefilled += r.num_tokens
-    long_ttft = chunks[-1].start + chunks[-1].seconds - chunks[0].start if chunks else float("nan")
-    return Interleaved(decode_gaps(alone), decode_gaps(busy, through_prefill=True), long_ttft)
+def chunk_steps(driver: Driver, bs: int, ctx: int, long_len: int) -> int:
+    """The steps the driver's budget takes to prefill a long_len-token prompt beside bs requests decoding at about
+    ctx tokens (at least: their context grows, and with it a stall budget's allowance)."""
+    if not driver.mixed:
+        return -(-long_len // min(driver.max_prefill_tokens, driver.decode_chunk_tokens))
+    allowance, depth, steps = driver.budget.allowance(bs, bs * ctx), 0, 0
+    while depth < long_len:
+        depth += driver.budget.chunk(allowance, depth, driver.max_prefill_tokens - bs)
+        steps += 1
+    return steps
 
 
 @dataclass

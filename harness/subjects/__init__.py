@@ -18,7 +18,7 @@ generation, N draws of the next token, timed generation. A driven engine offers 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Dict
 
 from harness.subjects.spec import (KINDS, OWN, check, driven, engine_class, kind, name,  # noqa: F401 (the API)
                                    named, report_dir, suffix)
@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from harness.subjects.base import Subject
 
 
-def open_subject(spec: str, model: "ModelRef | str", own_process: bool = False) -> "Subject":
+def open_subject(spec: str, model: "ModelRef | str", own_process: bool = False,
+                 serving: "Dict[str, Any] | None" = None, device: str = "cpu") -> "Subject":
     """The Subject --engine names, serving `model` (the caller closes it); own_process: a driven engine in a worker
-    process (a black box is always outside this one)."""
+    process (a black box is always outside this one). serving: an engine sized for a serving trace (max_seq_len,
+    slots; stall: the step budget over a cost model measured first, cost_depth deep), on device."""
     from harness.models import as_model
 
     folder = as_model(model).folder
@@ -38,20 +40,22 @@ def open_subject(spec: str, model: "ModelRef | str", own_process: bool = False) 
     if k == "vllm":
         from harness.subjects.vllm import VllmSubject
 
-        return VllmSubject(folder)
+        return VllmSubject(folder, serving)
     if k == "openai":
         from harness.subjects.openai import OpenAISubject
 
         return OpenAISubject(spec.partition(":")[2], folder)
+    options = {"device": device, "serving": serving} if serving else {"device": device}
     if own_process:
+        import json
         import os
         import sys
 
         from harness.subjects.local import LocalSubject
         from harness.subjects.process import ProcessSubject
 
-        return ProcessSubject([sys.executable, "-m", "harness.subjects.local_worker", spec, str(folder)],
-                              dict(os.environ), LocalSubject.top_k)
+        return ProcessSubject([sys.executable, "-m", "harness.subjects.local_worker", spec, str(folder),
+                               json.dumps(options)], dict(os.environ), LocalSubject.top_k)
     from harness.subjects.local import LocalSubject
 
-    return LocalSubject(spec, folder)
+    return LocalSubject(spec, folder, **options)

@@ -17,6 +17,7 @@ import numpy as np
 
 from engine.core import SamplingParams
 from harness import UserError
+from harness.bench.arrivals import Timing, Trace
 
 MIN_TOP_K = 20  # the fewest log-probabilities per position a subject must return (vLLM's default max_logprobs)
 
@@ -70,6 +71,12 @@ class Subject(ABC):
     @abstractmethod
     def timed(self, prompts: Sequence[List[int]], max_new: int) -> float:
         """Seconds to generate max_new tokens greedily after every prompt at once (never stopping at EOS)."""
+
+    @abstractmethod
+    def serve(self, trace: Trace) -> List[Timing]:
+        """Replay the trace: each request sent at its arrival (under the trace's concurrency cap), greedy, exactly
+        its output_len tokens (never stopping at EOS), each chunk of tokens timed as it arrives; a request that
+        failed carries its error."""
 
     def close(self) -> None:
         """Stop what it started (a worker process, an engine)."""

@@ -1,4 +1,5 @@
-"""A driven engine's worker process (harness.subjects.process): python -m harness.subjects.local_worker SPEC FOLDER."""
+"""A driven engine's worker process (harness.subjects.process): python -m harness.subjects.local_worker SPEC FOLDER
+[OPTIONS], OPTIONS a JSON object of LocalSubject's keyword arguments (device, serving)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
 from engine.core import SamplingParams
+from harness.bench.arrivals import Trace
 from harness.subjects.local import LocalSubject
 
 
@@ -25,6 +28,8 @@ def handle(subject: LocalSubject, req: Dict[str, Any]) -> Dict[str, Any]:
         return {"tokens": draws.tolist()}
     if op == "timed":
         return {"seconds": subject.timed(req["prompts"], req["max_new"])}
+    if op == "serve":
+        return {"timings": [asdict(t) for t in subject.serve(Trace.from_json(req["trace"]))]}
     return {"error": f"unknown op {op!r}"}
 
 
@@ -32,7 +37,7 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # what the engine prints goes to stderr, never into the answers
     sys.stdout = sys.stderr
-    subject = LocalSubject(sys.argv[1], Path(sys.argv[2]))
+    subject = LocalSubject(sys.argv[1], Path(sys.argv[2]), **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
     out.write(json.dumps({"ready": subject.provenance()}) + "\n")
     for line in sys.stdin:
         try:

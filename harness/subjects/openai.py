@@ -9,11 +9,16 @@ what a seed with n > 1 means): up to MAX_N choices a request, or one a request w
 refuses n > 1 at temperature 0). A request the server refuses (HTTP 4xx) is Unsupported, with the server's own words:
 the check that needs it is left out in one line. The server is named in the provenance as its /v1/models owner and
 /version say (vLLM: "vllm 0.32.0").
+
+Serving: each request of a trace streams its completion (`stream`, with `stream_options.include_usage`) in a thread
+of its own, sent at its arrival (a semaphore for a concurrency cap), each chunk timed as it comes, as `vllm bench
+serve` times its openai backend; the usage's completion_tokens, where the server gives it, counts the tokens.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +30,7 @@ import numpy as np
 
 from engine.core import SamplingParams
 from harness import UserError
+from harness.bench.arrivals import Timing, Trace
 from harness.subjects.base import MIN_TOP_K, Scored, Subject, Unsupported, rows
 
 MAX_N = 256
@@ -178,3 +184,53 @@ class OpenAISubject(Subject):
             list(pool.map(lambda p: self._complete(prompt=list(map(int, p)), max_tokens=max_new, temperature=0.0,
                                                    ignore_eos=True), prompts))
         return time.perf_counter() - start
+
+    def serve(self, trace: Trace) -> List[Timing]:
+        timings = [Timing(len(r.prompt)) for r in trace.requests]
+        slots = threading.Semaphore(trace.concurrency) if trace.concurrency else None
+        threads = []
+        t0 = time.perf_counter()
+        for r, t in zip(trace.requests, timings):
+            time.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+            t.sent = r.arrival_s
+            if slots is not None and not slots.acquire(blocking=False):
+                slots.acquire()  # it waited for a slot: sent when one freed
+                t.sent = time.perf_counter() - t0
+            body = {"model": self.model, "prompt": list(map(int, r.prompt)), "max_tokens": r.output_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            threads.append(threading.Thread(target=self._stream, args=(body, t, t0, slots), daemon=True))
+            threads[-1].start()
+        for th in threads:
+            th.join()
+        return timings
+
+    def _stream(self, body: Dict[str, Any], t: Timing, t0: float, slots: threading.Semaphore | None) -> None:
+        """One streamed completion into t: a chunk of each event that carries a choice, until [DONE]."""
+        req = urllib.request.Request(endpoint(self.url, "completions"), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        usage = None
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    choice = (event.get("choices") or [None])[0]
+                    # a chunk of tokens (its text may be empty: a special token), not a bare finish marker
+                    if choice is not None and (choice.get("text") or not choice.get("finish_reason")):
+                        t.times.append(time.perf_counter() - t0)
+                        t.tokens.append(1)
+                    usage = event.get("usage") or usage
+            if usage and t.tokens and usage.get("completion_tokens", 0) > sum(t.tokens):
+                t.tokens[-1] += usage["completion_tokens"] - sum(t.tokens)  # a chunk carried several
+            if not t.times:
+                t.error = "the stream carried no tokens"
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            t.error = f"{type(e).__name__}: {e}"
+        finally:
+            if slots is not None:
+                slots.release()

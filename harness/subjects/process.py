@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from engine.core import SamplingParams
+from harness.bench.arrivals import Timing, Trace
 from harness.subjects.base import Scored, Subject, rows
 
 
@@ -51,6 +52,9 @@ class ProcessSubject(Subject):
 
     def timed(self, prompts: Sequence[List[int]], max_new: int) -> float:
         return self._call(op="timed", prompts=[list(map(int, p)) for p in prompts], max_new=max_new)["seconds"]
+
+    def serve(self, trace: Trace) -> List[Timing]:
+        return [Timing(**t) for t in self._call(op="serve", trace=trace.to_json())["timings"]]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -5,6 +5,8 @@ engine: requests run one at a time (the driver is not shared), each request's n 
 POST /v1/completions takes prompt (token ids or text), max_tokens, temperature, top_p and the extensions top_k,
 min_p, ignore_eos, return_tokens_as_token_ids (vLLM's), n, seed, echo and logprobs (at most max_logprobs: more
 is a 400, as vLLM answers); GET /v1/models names the model, and the server (owned_by, as vLLM's names itself).
+With stream (no logprobs), the choices' tokens go out as server-sent events as the driver reads them (Driver.serve),
+then a usage event when stream_options.include_usage asks for one, then [DONE].
 A request with a seed gives choice i the seed seed + i; one without draws fresh seeds, so repeated requests are
 independent draws.
 """
@@ -16,12 +18,12 @@ import json
 import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
 from engine.core import SamplingParams
-from harness.driver import eos_token_ids
+from harness.driver import Arrival, eos_token_ids
 from harness.subjects.local import LocalSubject
 
 
@@ -38,19 +40,24 @@ class Completions:
         self.name = folder.name
         self.lock = threading.Lock()
 
-    def __call__(self, body: Dict[str, Any]) -> Dict[str, Any]:
+    def _request(self, body: Dict[str, Any]) -> tuple[List[int], List[SamplingParams]]:
+        """The prompt's ids and each of the n choices' sampling parameters."""
         prompt = body.get("prompt", "")
         ids = list(map(int, prompt)) if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
-        n, k = int(body.get("n", 1)), body.get("logprobs")
+        seed = body.get("seed")
+        seeds = [seed + i if seed is not None else random.getrandbits(63) for i in range(int(body.get("n", 1)))]
+        return ids, [SamplingParams(temperature=float(body.get("temperature", 1.0)), top_k=int(body.get("top_k", -1)),
+                                    top_p=float(body.get("top_p", 1.0)), min_p=float(body.get("min_p", 0.0)),
+                                    max_tokens=int(body.get("max_tokens", 16)),
+                                    ignore_eos=bool(body.get("ignore_eos", False)), seed=s) for s in seeds]
+
+    def __call__(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        k = body.get("logprobs")
         if k is not None and int(k) > self.max_logprobs:
             raise ValueError(f"logprobs {k} is more than this server's max_logprobs {self.max_logprobs}")
         echo, as_ids = bool(body.get("echo", False)), bool(body.get("return_tokens_as_token_ids", False))
-        seed = body.get("seed")
-        seeds = [seed + i if seed is not None else random.getrandbits(63) for i in range(n)]
-        params = [SamplingParams(temperature=float(body.get("temperature", 1.0)), top_k=int(body.get("top_k", -1)),
-                                 top_p=float(body.get("top_p", 1.0)), min_p=float(body.get("min_p", 0.0)),
-                                 max_tokens=int(body.get("max_tokens", 16)),
-                                 ignore_eos=bool(body.get("ignore_eos", False)), seed=s) for s in seeds]
+        ids, params = self._request(body)
+        n = len(params)
         rows: Dict[int, Dict[int, torch.Tensor]] = {i: {} for i in range(n)}
 
         def keep(uid: int, start: int, lp: torch.Tensor) -> None:
@@ -70,6 +77,44 @@ class Completions:
             choices.append(choice)
         return {"object": "text_completion", "model": self.name, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": sum(len(r.output_ids) for r in results)}}
+
+    def check(self, body: Dict[str, Any]) -> None:
+        """A streamed request this server cannot answer, refused before its stream starts (a 400)."""
+        if body.get("logprobs") is not None or body.get("echo"):
+            raise ValueError("this server streams tokens only: ask for logprobs or echo without stream")
+        ids, params = self._request(body)
+        for uid, p in enumerate(params):
+            self.subject.driver.check_fits(uid, len(ids), p.max_tokens)
+
+    def stream(self, body: Dict[str, Any], send: Callable[[Dict[str, Any]], None]) -> None:
+        """A streamed completion: an event per token as the host reads it (text_completion chunks, as vLLM's)."""
+        ids, params = self._request(body)
+        as_ids = bool(body.get("return_tokens_as_token_ids", False))
+        pending = [Arrival(i, ids, p) for i, p in enumerate(params)]
+        finished: Dict[int, str] = {}
+        count = [0]
+
+        class Once:
+            def take(self, done: int, wait: bool) -> List[Arrival] | None:
+                nonlocal pending
+                got, pending = pending, None
+                return got
+
+        def token(uid: int, tok: int, at: float) -> None:
+            count[0] += 1
+            send({"object": "text_completion", "model": self.name, "choices": [
+                {"index": uid, "text": f"token_id:{tok}" if as_ids else self.tokenizer.decode([tok]),
+                 "finish_reason": None}]})
+
+        with self.lock:
+            self.subject.driver.serve(Once(), self.eos, on_token=token,
+                                      on_finish=lambda r: finished.__setitem__(r.uid, r.finish_reason))
+        for uid in sorted(finished):
+            send({"object": "text_completion", "model": self.name,
+                  "choices": [{"index": uid, "text": "", "finish_reason": finished[uid] or "length"}]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            send({"object": "text_completion", "model": self.name, "choices": [],
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": count[0]}})
 
     @staticmethod
     def _logprobs(prompt: List[int], out: List[int], rows: Dict[int, torch.Tensor], k: int, echo: bool,
@@ -118,9 +163,26 @@ def _handler(completions: Completions) -> type:
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                self._send(200, completions(body))
+                if body.get("stream"):
+                    self._stream(body)
+                else:
+                    self._send(200, completions(body))
             except (ValueError, TypeError, KeyError) as e:  # a request the engine cannot take: the client's error
                 self._send(400, {"error": {"message": f"{type(e).__name__}: {e}"}})
+
+        def _stream(self, body: Dict[str, Any]) -> None:
+            """Server-sent events; the connection's end closes the stream (HTTP/1.0)."""
+            completions.check(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+
+            def send(event: Dict[str, Any]) -> None:
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+
+            completions.stream(body, send)
+            self.wfile.write(b"data: [DONE]\n\n")
 
         def log_message(self, *args: Any) -> None:  # one line per request would drown the harness's own
             pass

@@ -3,9 +3,11 @@ interpreter: HARNESS_VLLM_PYTHON if set, else .peers/vllm/bin/python, the virtua
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Dict
 
 from harness import UserError
 from harness.report import REPO_ROOT
@@ -27,11 +29,13 @@ def interpreter() -> Path:
 
 
 class VllmSubject(ProcessSubject):
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, serving: Dict[str, Any] | None = None) -> None:
+        """serving: vLLM's async engine sized for a serving trace (max_seq_len, slots), answering serve only."""
         python = interpreter()
         print(f"vllm: starting {python} on {folder} (loading the model takes about 30 s)", file=sys.stderr,
               flush=True)
         worker = Path(__file__).with_name("vllm_worker.py")
+        extra = [json.dumps({k: serving[k] for k in ("max_seq_len", "slots")})] if serving else []
         # -P: the worker's folder stays off sys.path (its vllm.py and openai.py are not the packages vLLM imports)
-        super().__init__([str(python), "-P", str(worker), str(folder)], {**WORKER_ENV, **os.environ, "PYTHONPATH": ""},
-                         MAX_LOGPROBS)
+        super().__init__([str(python), "-P", str(worker), str(folder), *extra],
+                         {**WORKER_ENV, **os.environ, "PYTHONPATH": ""}, MAX_LOGPROBS)
