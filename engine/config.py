@@ -25,7 +25,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda:<rank> with a GPU, cpu otherwise
     max_running_req: int = 256
     attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), torch otherwise
-    ops_backend: str = "auto"  # norms, RoPE, activations: auto = FlashInfer's fused kernels on CUDA (half precision)
+    # norms, RoPE, activations, GEMMs: auto = FlashInfer's fused kernels on CUDA (half precision), oneDNN's GEMMs on
+    # a CPU in fp32, torch's else
+    ops_backend: str = "auto"
     moe_backend: str = "auto"  # MoE models: auto = fused grouped GEMMs on CUDA in bf16, the torch reference otherwise
     cuda_graph_bs: List[int] | None = None  # None: 1, 2, 4, 8, then every 8 up to cuda_graph_max_bs
     cuda_graph_max_bs: int | None = None  # None: min(max_running_req, 256); 0 disables graphs

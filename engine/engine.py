@@ -133,6 +133,7 @@ class Engine:
             state = load_weight_state_dict(str(check_model_dir(config.model_path)), config.model_config,
                                            self.device, self.dtype)
         model.load_state_dict(state, strict=True, assign=True)
+        model.pack_weights()
         if config.batch_invariant:  # the BLAS here must have the property the mode's GEMM rests on
             batch_invariant.check_gemm(next(p for n, p in model.named_parameters()
                                             if p.dim() == 2 and "embed" not in n))

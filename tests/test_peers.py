@@ -205,7 +205,7 @@ def test_bench_against_a_slowed_engine_finds_it_slower(tmp_path: Path, monkeypat
     rows = json.loads((tmp_path / "peers" / "python-peer_faults-SlowForward" / "bench" / "cpu" / MODEL /
                        "peer.json").read_text())["rows"]
     shown = [(r["workload"], round(r["ratio"], 2), round(r["low"], 2), round(r["high"], 2)) for r in rows]
-    assert len(rows) == 4 and all(r["verdict"] == "this engine faster" and r["low"] > 1 for r in rows), shown
+    assert len(rows) == 6 and all(r["verdict"] == "this engine faster" and r["low"] > 1 for r in rows), shown
 
 
 # ---------------------------------------------------------------------------------------------- real vLLM

@@ -1,6 +1,7 @@
 """The small ops and GEMMs of a decoder layer, in implementations chosen once per engine (EngineConfig.ops_backend).
 
 TorchOps is the readable definition, with Hugging Face's numerics (the reference on any device and dtype);
+OneDNNOps (the CPU, fp32) is TorchOps whose GEMMs run through oneDNN on weights laid out for it once, at load;
 FlashInferOps replaces each op by one fused CUDA kernel for half precision; BatchInvariantOps (batch_invariant) is
 TorchOps whose GEMMs and activation give a row the same bits in any batch (engine/batch_invariant.py). Layers hold the chosen object and never
 branch on the device. Ops ending in `_` work in place on views of the merged q/k/v projection, so the fused path
@@ -25,7 +26,7 @@ from engine.kernels import narrow_gemm, qk_rope_store, skinny_gemm
 from engine.kvcache import KVCachePool
 from engine.utils.device import has_flashinfer, has_triton
 
-OPS_BACKENDS = ("torch", "flashinfer")
+OPS_BACKENDS = ("torch", "onednn", "flashinfer")
 
 
 class TorchOps:
@@ -34,6 +35,10 @@ class TorchOps:
     def rope_table(self, table: torch.Tensor, model_dtype: torch.dtype) -> torch.Tensor:
         """The cos | sin table [max_pos, D] in fp32 -> what rope_ reads: HF casts cos/sin to the model dtype."""
         return table.to(model_dtype)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A GEMM's weight [O, K] as loaded -> the weight linear and lm_head read (done once, at load)."""
+        return weight
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         """x [..., D] -> x / rms(x) * (offset + weight). offset 0 (Llama, Qwen): computed in fp32, cast back before
@@ -83,17 +88,35 @@ class TorchOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                act: str | None = None) -> torch.Tensor:
-        """x [N, K] @ weight [O, K]^T (+ bias): every projection and the LM head. act: x is [N, 2K], gate | up, and
-        the input is act_and_mul(x, act) (the MLP's down projection)."""
-        return F.linear(x if act is None else self.act_and_mul(x, act), weight, bias)
+        """x [N, K] @ weight [O, K]^T (+ bias): every projection. act: x is [N, 2K], gate | up, and the input is
+        act_and_mul(x, act) (the MLP's down projection)."""
+        return self.gemm(x if act is None else self.act_and_mul(x, act), weight, bias)
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [rows, H] @ weight [vocab, H]^T: the logits of the rows a batch asks for."""
-        return F.linear(x, weight)
+        return self.gemm(x, weight)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of linear and lm_head on a weight as pack left it."""
+        return F.linear(x, weight, bias)
 
     def router(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [N, H] @ weight [E, H]^T: an MoE layer's router logits, in the model dtype as HF computes them."""
         return F.linear(x, weight)
+
+
+class OneDNNOps(TorchOps):
+    """TorchOps whose GEMMs (the projections and the LM head) run through oneDNN's inner product on weights reordered
+    once into its blocked layout, as vLLM's CPU build runs them. MKL's sgemm, which F.linear calls in fp32, reaches
+    less of this CPU at decode's few rows: on the AMD EPYC host (AVX-512, 1 thread, SmolLM2's shapes) 1.3-1.6x the
+    time at 8 rows, 2.3x on the LM head, 1.1-1.2x at 128-512 (docs/perf-log.md, 2026-12-07). Each row's K-sum
+    still follows the row count and the threads, as MKL's does (docs/parity-determinism.md)."""
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight)  # an opaque tensor; .to_dense() gives [O, K] back
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class BatchInvariantOps(TorchOps):
@@ -193,14 +216,19 @@ def _unit(offset: float) -> bool:
 
 
 def resolve_ops_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> flashinfer on CUDA in half precision when it is installed (its kernels have no fp32), torch else."""
+    """"auto" -> flashinfer on CUDA in half precision when it is installed (its kernels have no fp32), onednn on a
+    CPU in fp32 where torch has oneDNN, torch else."""
     half = dtype in (torch.float16, torch.bfloat16)
+    onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if name == "auto":
-        return "flashinfer" if device.type == "cuda" and half and has_flashinfer() else "torch"
+        return "flashinfer" if device.type == "cuda" and half and has_flashinfer() else "onednn" if onednn else "torch"
     if name not in OPS_BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; choose one of: auto, {', '.join(OPS_BACKENDS)}")
     if name == "flashinfer" and (device.type != "cuda" or not half):
         raise ValueError(f"the flashinfer ops need a CUDA device and fp16/bf16, got {device.type} {dtype}: "
+                         "use ops_backend='torch'")
+    if name == "onednn" and not onednn:
+        raise ValueError(f"the onednn ops need a CPU, fp32 and torch built with oneDNN, got {device.type} {dtype}: "
                          "use ops_backend='torch'")
     return name
 
@@ -208,4 +236,4 @@ def resolve_ops_backend(name: str, device: torch.device, dtype: torch.dtype) -> 
 def create_ops(name: str, invariant: bool = False) -> TorchOps:
     if invariant:
         return BatchInvariantOps()
-    return FlashInferOps() if name == "flashinfer" else TorchOps()
+    return {"flashinfer": FlashInferOps, "onednn": OneDNNOps}.get(name, TorchOps)()

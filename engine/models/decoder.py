@@ -130,6 +130,20 @@ class CausalLM(nn.Module):
             RotaryEmbedding(config.local_rotary_config, max_position, dtype, device, ops)
         self.model = DecoderModel(config, self.rotary, self.local_rotary, dtype, ops)
         self.lm_head = None if config.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.head_weight: torch.Tensor | None = None  # the LM head's weight as the ops' GEMM reads it (pack_weights)
+
+    def pack_weights(self) -> None:
+        """Every GEMM weight into the layout the ops' GEMM reads, once the weights are loaded: the projections' in
+        place; a tied LM head gets a copy beside the embedding's table, which the lookup reads as it is (for the
+        reference ops both are the loaded tensors, no copy)."""
+        for m in self.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.weight = nn.Parameter(self.ops.pack(m.weight), requires_grad=False)
+        if self.lm_head is None:
+            self.head_weight = self.ops.pack(self.model.embed_tokens.weight)
+        else:
+            self.lm_head.weight = self.head_weight = nn.Parameter(self.ops.pack(self.lm_head.weight),
+                                                                  requires_grad=False)
 
     def forward(self) -> torch.Tensor:
         """Logits [rows, vocab] for the batch in the global context."""
@@ -141,8 +155,7 @@ class CausalLM(nn.Module):
         token), or one per token when the batch asks for all positions."""
         if batch.return_logits != "all" and batch.is_prefill:
             hidden = hidden[batch.attn_metadata.last_indices()]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(hidden, weight, self.config.vocab_size, self.ops)
+        return compute_logits(hidden, self.head_weight, self.config.vocab_size, self.ops)
 
 
 def create_model(config: ModelConfig, max_position: int, device: torch.device, dtype: torch.dtype,

@@ -6,9 +6,9 @@ whatever the host does meanwhile hits both. A row's ratio is the other engine's 
 engine is faster), exp of the mean paired log ratio with its t-interval (harness.bench.ab_stats.paired_ratio).
 
 Workloads, on random token ids (no EOS stop; every call its own, so that no prefix cache serves it): the time to the
-first token of one prompt of 128 and 512 tokens (in each repeat the median of TTFT_RUNS), and
-the period of a decode step at batch 1 and 8 over a context of about CTX tokens: (the time of 1 + STEPS tokens - the
-time of 1 token) / STEPS, the two timed in the same repeat.
+first token of one prompt of 128, 512 and 2048 tokens (in each repeat the median of TTFT_RUNS), and the period of
+a decode step at batch 1, 8 and 32 over a context of about CTX tokens: (the time of 1 + STEPS tokens - the time of 1
+token) / STEPS, the two timed in the same repeat.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from harness.subjects.base import Subject
 REPEATS, WARMUP = 5, 1
 # STEPS: enough decode steps that they, not the prefill's noise, make the difference of the two times
 TTFT_RUNS = 3  # a repeat's time to first token: the median of this many prefills (one alone is noisy)
-TTFT_LENGTHS, DECODE_BATCHES, CTX, STEPS = (128, 512), (1, 8), 128, 48
+TTFT_LENGTHS, DECODE_BATCHES, CTX, STEPS = (128, 512, 2048), (1, 8, 32), 128, 48
 
 
 @dataclass
@@ -119,7 +119,7 @@ COLUMNS = ["workload", "engine_s", "peer_s", "ratio", "low", "high", "verdict", 
 
 def command(args: argparse.Namespace) -> int:
     subjects.check(args.engine)
-    models = resolve_models(args, ("smollm2-135m",), verb="bench --engine")
+    models = resolve_models(args, ("smollm2-135m", "gemma3-270m"), verb="bench --engine")
     for model in models:
         start = time.perf_counter()
         rows, info = run_peer_bench(args.engine, model, args.repeats or REPEATS)

@@ -123,7 +123,8 @@ def _gemm_path_by_address(original: Callable) -> Callable:
         out = original(self, x, weight, bias, act)
         if x.shape[0] > 256 and (x.data_ptr() >> 12) & 1:
             rows = (x if act is None else self.act_and_mul(x, act))[256:]
-            out[256:] = F.linear(rows.flip(-1), weight.flip(-1), bias)  # the same products, summed from K's end
+            dense = weight.to_dense() if weight.is_mkldnn else weight  # a weight packed for oneDNN (OneDNNOps)
+            out[256:] = F.linear(rows.flip(-1), dense.flip(-1), bias)  # the same products, summed from K's end
         return out
     return linear
 

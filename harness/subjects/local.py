@@ -20,7 +20,8 @@ from harness.subjects.base import Scored, Subject
 from harness.subjects.spec import engine_class
 
 SLOTS = 64  # requests running at once: the sampling grid's draws go through in batches of this many
-SEQ_LEN = 1024
+SEQ_LEN = 4096  # the longest request: the peer bench's 2048-token prompts fit
+POOL_TOKENS = 16384  # the KV pool: pages are taken as requests need them, not SEQ_LEN per slot
 
 
 def serving_engine(config: EngineConfig, serving: Dict[str, Any]) -> EngineConfig:
@@ -45,7 +46,7 @@ class LocalSubject(Subject):
         config = EngineConfig(
             model_path=str(folder), tp_info=DistributedInfo(0, 1), dtype=torch.float32, device=device,
             max_running_req=SLOTS, cuda_graph_max_bs=0, max_seq_len_override=SEQ_LEN,
-            num_page_override=SLOTS * SEQ_LEN // 4)
+            num_page_override=POOL_TOKENS)
         self.serving = serving
         self.engine = engine_class(spec)(serving_engine(config, serving) if serving else config)
         self._threads = threads

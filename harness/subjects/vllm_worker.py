@@ -42,7 +42,7 @@ def main() -> int:
         return serve(out, json.loads(sys.argv[2]))
     start = time.perf_counter()
     llm = LLM(model=sys.argv[1], dtype="float32", max_logprobs=MAX_LOGPROBS, enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=int(os.environ.get("HARNESS_VLLM_MAX_LEN", "2048")), seed=0)
+              enable_prefix_caching=False, max_model_len=int(os.environ.get("HARNESS_VLLM_MAX_LEN", "4096")), seed=0)
     info = {"kind": "vllm", "vllm": vllm.__version__, "model": os.path.basename(sys.argv[1].rstrip("/")),
             "max_logprobs": MAX_LOGPROBS, "load_seconds": round(time.perf_counter() - start, 1)}
     try:
