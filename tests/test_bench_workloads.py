@@ -142,7 +142,7 @@ def test_a_row_the_kv_pool_cannot_hold_is_a_line_and_every_other_row_is_written(
     assert decode == [("engine", 1), ("engine", 2), ("engine", 3), ("engine-simple", 3)], decode
     assert all(r["samples"] > 0 and r["median_s"] > 0 for r in rows), [r for r in rows if not r.get("samples")]
     assert {r["workload"] for r in rows} == {"decode", "decode_ctx", "prefill", "ttft", "offline", "offline_greedy",
-                                             "offline_subset"}
+                                             "offline_subset", "offline_alternating"}
     monkeypatch.setattr(report, "BUILD_REPORTS_DIR", tmp_path)
     result = {"device": "cpu", "dtype": "float32", "limits": vars(limits), "spec": vars(SMALL), "rows": rows,
               "unfit": unfit}

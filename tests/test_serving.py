@@ -111,9 +111,11 @@ def test_a_concurrency_cap_holds_back_what_has_arrived():
     clock = iter(range(100)).__next__
     rel = Releaser(trace, clock=lambda: float(clock()))
     assert [i for i, _ in rel.due(0)] == [0, 1]
-    assert rel.due(0) == [] and rel.held
-    assert rel.due(1) == [(2, 3.0)]  # sent when the slot freed, not at its arrival
-    assert [i for i, _ in rel.due(3)] == [3, 4] and rel.done
+    assert rel.due(0) == []
+    rel.finished(2.5)
+    assert rel.due(1) == [(2, 2.5)]  # sent when the slot freed, not at its arrival nor when the replay next looked
+    rel.finished(4.0)
+    assert rel.due(3) == [(3, 4.0), (4, 4.0)] and rel.done  # the third end was not reported: sent when seen (4.0)
 
 
 def test_trace_files_in_several_layouts(tmp_path: Path):
@@ -147,7 +149,7 @@ def test_text_prompts_are_excerpts_of_the_committed_text():
 
 
 # ------------------------------------------------------------------------------------------------ the driver
-@pytest.fixture(scope="module")
+@pytest.fixture  # one engine a process: gone before the next test builds its own
 def engine():
     eng = Engine(EngineConfig(model_path=str(zoo.path(MODEL)), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
                               device="cpu", max_running_req=4, num_page_override=2048, max_seq_len_override=256))

@@ -108,7 +108,7 @@ def _whole(length: int, budget: int) -> List[Tuple[int, int]]:
     return [(d, min(budget, length - d)) for d in range(0, length, budget)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one engine a process: gone before the next test builds its own
 def smollm2() -> Engine:
     eng = Engine(EngineConfig(model_path=str(zoo.path("smollm2-135m")), tp_info=DistributedInfo(0, 1),
                               dtype=torch.float32, device="cpu", max_running_req=33, max_seq_len_override=4096 + 64,

@@ -84,11 +84,12 @@ def slower_beyond(high: float, pct: float) -> bool:
 
 
 def mean_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the repeats' mean with its t-interval; one repeat has no interval (nan)."""
+    """(mean, low, high): the repeats' mean with its t-interval; one repeat, or a repeat that is not finite (a rate
+    over a run too short for the clock), has no interval (nan)."""
     from scipy.stats import t
 
     mean = statistics.fmean(xs)
-    if len(xs) < 2:
+    if len(xs) < 2 or not all(math.isfinite(x) for x in xs):
         return mean, math.nan, math.nan
     half = float(t.ppf((1 + confidence) / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
     return mean, mean - half, mean + half

@@ -193,21 +193,28 @@ class Releaser:
         self.trace, self.clock = trace, clock
         self.t0 = clock()
         self.next = 0
-        self.held = False  # the next request has arrived and waits for a slot
+        self.ended: List[float] = []  # when each finished request ended (finished() in order), from t0
 
     def now(self) -> float:
         return self.clock() - self.t0
 
+    def finished(self, at: float) -> None:
+        """A request ended at `at` (seconds from t0): under a cap, its slot is free from then."""
+        self.ended.append(at)
+
     def due(self, finished: int) -> List[Tuple[int, float]]:
-        """(index, sent time) of each request that goes out now, given how many have finished."""
+        """(index, sent time) of each request that goes out now, given how many have finished: its arrival, or
+        under a cap the end that freed its slot where that came later (as a client's semaphore sends it)."""
         out, now, cap = [], self.now(), self.trace.concurrency
         reqs = self.trace.requests
         while self.next < len(reqs) and reqs[self.next].arrival_s <= now:
             if cap is not None and self.next - finished >= cap:
-                self.held = True
                 break
-            out.append((self.next, now if self.held else reqs[self.next].arrival_s))
-            self.held = False
+            sent = reqs[self.next].arrival_s
+            if cap is not None and self.next >= cap:  # its slot freed when the (next - cap + 1)-th request ended
+                k = self.next - cap  # (now where that end was not reported: a request stopped early at EOS)
+                sent = max(sent, sorted(self.ended)[k] if k < len(self.ended) else now)
+            out.append((self.next, sent))
             self.next += 1
         return out
 
@@ -245,6 +252,8 @@ def replay(driver: Any, trace: Trace, params: Callable[[int], Any], eos_ids: Seq
     def on_token(uid: int, token: int, at: float) -> None:
         timings[uid].times.append(at - releaser.t0)
         timings[uid].tokens.append(1)
+        if len(timings[uid].times) == trace.requests[uid].output_len:
+            releaser.finished(at - releaser.t0)
 
     releaser = Releaser(trace)
     driver.serve(Source(), eos_ids, on_token=on_token)

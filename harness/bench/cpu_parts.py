@@ -128,21 +128,25 @@ def _by_part(forwards: List[Dict[str, float]], periods: List[float]) -> Dict[str
 
 
 def cpu_parts(model: Any, out: Path, repeats: int = 5, threads: int | None = None,
-              prefills: Sequence[int] | None = None, decode_bs: Sequence[int] | None = None) -> Dict[str, Any]:
-    """The steps of PREFILLS and DECODE_BS (or those given) on a fresh engine; writes out/summary.json."""
+              prefills: Sequence[int] | None = None, decode_bs: Sequence[int] | None = None,
+              ops: str = "auto") -> Dict[str, Any]:
+    """The steps of PREFILLS and DECODE_BS (or those given) on a fresh engine with the ops backend `ops`; writes
+    out/summary.json."""
     prefills, decode_bs = prefills or PREFILLS, decode_bs or DECODE_BS
     ref = as_model(model)
     seq = max(*prefills, CTX + STEPS + 8) + 64
     engine = Engine(EngineConfig(model_path=str(ref.folder), tp_info=DistributedInfo(0, 1), dtype=torch.float32,
                                  device="cpu", max_running_req=max(decode_bs), use_dummy_weight=not ref.has_weights,
-                                 max_seq_len_override=seq, num_page_override=max(decode_bs) * seq + seq))
+                                 max_seq_len_override=seq, num_page_override=max(decode_bs) * seq + seq,
+                                 ops_backend=ops))
     if threads is not None:
         torch.set_num_threads(threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     vocab = engine.config.model_config.vocab_size
     driver = Driver(engine)
     out.mkdir(parents=True, exist_ok=True)
-    summary: Dict[str, Any] = {"model": ref.name, "threads": torch.get_num_threads(), "clock": clock.__name__}
+    summary: Dict[str, Any] = {"model": ref.name, "threads": torch.get_num_threads(), "clock": clock.__name__,
+                               "ops": engine.config.ops_backend}
 
     def measure(name: str, run: Callable[[], None], keep: Callable[[Any], bool]) -> None:
         run()  # warm-up
@@ -191,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="runs of each workload (decode: STEPS steps a run)")
     p.add_argument("--threads", type=int, default=None, help="torch's threads after the engine's start (default: "
                    "the engine's own); 1 times by the thread's CPU time")
+    p.add_argument("--ops", default="auto", choices=("auto", "torch", "onednn"),
+                   help="the engine's ops backend (EngineConfig.ops_backend; auto: onednn on a CPU in fp32)")
     args = p.parse_args(argv)
     model = resolve_model(args, "smollm2-135m", weights=False, tokenizer=False, verb="cpu_parts")
-    summary = cpu_parts(model, args.out, args.repeats, args.threads)
+    summary = cpu_parts(model, args.out, args.repeats, args.threads, ops=args.ops)
     print(table(summary))
     print(f"wrote {args.out}/summary.json, torch_*.txt")
     return 0

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.attention import flashinfer_backend
 from engine.attention.flashinfer_backend import FlashInferBackend
-from engine.attention.torch_backend import PerRequestMetadata, TorchBackend
+from engine.attention.torch_backend import BlocksMetadata, PerRequestMetadata, PromptMetadata, TorchBackend
 from engine.layers.ops import BatchInvariantOps, TorchOps
 from harness.driver import Driver
 
@@ -136,10 +136,13 @@ def _keys_from_first_block(original: Callable) -> Callable:
     def prepare_metadata(self: TorchBackend, batch: Any) -> None:
         original(self, batch)
         md = batch.attn_metadata
+        if isinstance(md, PromptMetadata):  # prompts attended over their own K/V: no key read from the pool
+            return
         if isinstance(md, PerRequestMetadata):
             segments = [md.kv_slots[r.kv_start: r.kv_end] for r in md.requests]
         else:
-            segments = list(md.kv_slots)
+            segments = [row for block in (md.blocks if isinstance(md, BlocksMetadata) else [md])
+                        for row in block.kv_slots]
         for slots in segments:  # views: written in place
             if slots.shape[0] > BLOCK:
                 slots[BLOCK:] = slots[: slots.shape[0] - BLOCK].clone()

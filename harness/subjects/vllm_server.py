@@ -2,7 +2,7 @@
 no one here wrote (`nox -s peer-vllm` gates it beside vLLM's Python API, harness.subjects.vllm).
 
 It runs as a user runs `vllm serve`, with what the goldens need: fp32, max_logprobs 64 (the goldens' top-K), eager (no
-graph capture on a CPU), max_model_len 2048, seed 0, on this host's cores (harness.subjects.vllm.WORKER_ENV); prefix
+graph capture on a CPU), max_model_len 4096, seed 0, on this host's cores (harness.subjects.vllm.WORKER_ENV); prefix
 caching stays on, vLLM's default (the bench gives every timed call prompts of its own). Its log goes to LOG.
 
     python -m harness.subjects.vllm_server [--model NAME] [--port N] [ARGS...]
@@ -37,7 +37,7 @@ START_TIMEOUT = 600.0  # seconds: loading and warming up on 2 CPU cores takes ab
 def command_line(folder: Path, port: int) -> List[str]:
     return [str(interpreter()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-logprobs", str(MAX_LOGPROBS),
-            "--enforce-eager", "--max-model-len", "2048", "--seed", "0"]
+            "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
 
 
 @contextmanager
