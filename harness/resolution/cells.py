@@ -95,7 +95,17 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
         "`python -m harness resolution --cells` on each device (a run updates the rows it measured); "
         "`tests/test_resolution_cells.py` requires a row for every committed golden. Goals: fp32 sees a softmax-scale "
         "or RoPE-base error of 1e-4 or less, bf16 one of 5% or less.", "",
-        markdown_table(table), ""])
+        markdown_table(table), ""] + ([
+        "## Not measured yet", "",
+        "Committed golden cells without a row: what their gate sees is unknown until this is run on their device.", "",
+        *[f"- `{p['cell']}`: `{p['how']}`" for p in pending(rows)], ""] if pending(rows) else []))
+
+
+def pending(rows: List[Dict[str, Any]]) -> List[Dict[str, str]]:
+    """The committed cells the table has no row for, each with the command that measures it."""
+    have = {r["cell"] for r in rows}
+    return [{"cell": c.key, "how": f"python -m harness resolution --cells --device {c.device} --model {c.model}"}
+            for c in committed() if c.key not in have]
 
 
 def write(new: List[Dict[str, Any]], update: bool) -> str:
@@ -106,6 +116,6 @@ def write(new: List[Dict[str, Any]], update: bool) -> str:
     by_cell = {r["cell"]: r for r in old}
     by_cell.update({r["cell"]: r for r in new})
     rows = sorted(by_cell.values(), key=lambda r: r["cell"])
-    write_json(path, {"cells": rows})
+    write_json(path, {"cells": rows, "pending": pending(rows)})
     (out / "cells.md").write_text(markdown(rows))
     return written_to(out / "cells.md", update)
