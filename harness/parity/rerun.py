@@ -49,9 +49,9 @@ class Nondeterminism:
     def text(self) -> str:
         return (f"not deterministic: this path run again in a fresh process gave other bits for this prompt from "
                 f"position {self.position} ({self.differing} of {self.compared} positions differ; largest err "
-                f"{self.err_failed:.3g} in the run that failed, {self.err_again:.3g} in the re-run): the engine computes "
-                "the same inputs differently from one process to the next, so a re-run can pass with nothing fixed "
-                "(docs/parity-determinism.md)")
+                f"{self.err_failed:.3g} in the run that failed, {self.err_again:.3g} in the re-run): the engine "
+                "computes the same inputs differently from one process to the next, so a re-run can pass with "
+                "nothing fixed (docs/parity-determinism.md)")
 
 
 def _run(args: tuple) -> Dict[int, PositionStat]:
@@ -69,7 +69,8 @@ def run_again(run_path: Callable, path: ParityPath, model: ModelRef, device: str
     whole golden set (the failing run's company) in a newly spawned process, with what is PLANTED here planted there:
     prompt uid's statistics by position."""
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run, ((list(PLANTED), run_path, path, model, device, dtype, gs, batch_invariant, engine, uid),))
+        args = (list(PLANTED), run_path, path, model, device, dtype, gs, batch_invariant, engine, uid)
+        return pool.apply(_run, (args,))
 
 
 def compare(failed: Dict[int, PositionStat], again: Dict[int, PositionStat]) -> Nondeterminism | None:
