@@ -62,13 +62,10 @@ def rounds_ratio(ref_rounds: Sequence[Sequence[float]], new_rounds: Sequence[Seq
 
 def _log_ratio_interval(logs: Sequence[float], confidence: float) -> PairedRatio:
     """exp(mean) of independent log ratios with its t-interval and the verdict it gives."""
-    from scipy.stats import t
-
-    n, mean, sd = len(logs), statistics.fmean(logs), statistics.stdev(logs)
-    half = float(t.ppf((1 + confidence) / 2, n - 1)) * sd / math.sqrt(n)
-    low, high = math.exp(mean - half), math.exp(mean + half)
+    sd = statistics.stdev(logs)  # at least two: one log ratio has no interval
+    mean, low, high = (math.exp(x) for x in mean_interval(logs, confidence))
     verdict = "faster" if low > 1 else "slower" if high < 1 else "no difference"
-    return PairedRatio(math.exp(mean), low, high, sd, n, confidence, verdict)
+    return PairedRatio(mean, low, high, sd, len(logs), confidence, verdict)
 
 
 def threshold_ratio(pct: float) -> float:

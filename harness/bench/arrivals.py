@@ -193,7 +193,7 @@ class Releaser:
         self.trace, self.clock = trace, clock
         self.t0 = clock()
         self.next = 0
-        self.ended: List[float] = []  # when each finished request ended (finished() in order), from t0
+        self.ended: List[float] = []  # when each finished request ended, from t0 (reported in time order)
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -213,7 +213,7 @@ class Releaser:
             sent = reqs[self.next].arrival_s
             if cap is not None and self.next >= cap:  # its slot freed when the (next - cap + 1)-th request ended
                 k = self.next - cap  # (now where that end was not reported: a request stopped early at EOS)
-                sent = max(sent, sorted(self.ended)[k] if k < len(self.ended) else now)
+                sent = max(sent, self.ended[k] if k < len(self.ended) else now)
             out.append((self.next, sent))
             self.next += 1
         return out

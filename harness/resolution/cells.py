@@ -80,7 +80,8 @@ def _e(x: float | None) -> str:
     return "-" if x is None else f"{x:.2g}"
 
 
-def markdown(rows: List[Dict[str, Any]]) -> str:
+def markdown(rows: List[Dict[str, Any]], todo: List[Dict[str, str]]) -> str:
+    """The table of rows, then the cells not measured yet (todo, pending's)."""
     table = [{"cell": r["cell"], "tol": f"{r['tol']:.3g}",
               **{f: _e(r["families"][f]["smallest_detected"]) if f in r["families"] else "not run"
                  for f in FAMILY_ORDER},
@@ -93,12 +94,13 @@ def markdown(rows: List[Dict[str, Any]]) -> str:
         "families of `harness/resolution/faults.py`: the smallest e each detects (the threshold lies between it and "
         "the largest e missed, within a bracket of 1.25; `-`: not detected up to the family's largest e). Made by "
         "`python -m harness resolution --cells` on each device (a run updates the rows it measured); "
-        "`tests/test_resolution_cells.py` requires a row for every committed golden. Goals: fp32 sees a softmax-scale "
+        "`tests/test_resolution_cells.py` requires a row for every CPU golden of `golden/`; the cells not measured yet "
+        "are listed below. Goals: fp32 sees a softmax-scale "
         "or RoPE-base error of 1e-4 or less, bf16 one of 5% or less.", "",
         markdown_table(table), ""] + ([
         "## Not measured yet", "",
         "Committed golden cells without a row: what their gate sees is unknown until this is run on their device.", "",
-        *[f"- `{p['cell']}`: `{p['how']}`" for p in pending(rows)], ""] if pending(rows) else []))
+        *[f"- `{p['cell']}`: `{p['how']}`" for p in todo], ""] if todo else []))
 
 
 def pending(rows: List[Dict[str, Any]]) -> List[Dict[str, str]]:
@@ -116,6 +118,7 @@ def write(new: List[Dict[str, Any]], update: bool) -> str:
     by_cell = {r["cell"]: r for r in old}
     by_cell.update({r["cell"]: r for r in new})
     rows = sorted(by_cell.values(), key=lambda r: r["cell"])
-    write_json(path, {"cells": rows, "pending": pending(rows)})
-    (out / "cells.md").write_text(markdown(rows))
+    todo = pending(rows)
+    write_json(path, {"cells": rows, "pending": todo})
+    (out / "cells.md").write_text(markdown(rows, todo))
     return written_to(out / "cells.md", update)
