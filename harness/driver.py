@@ -126,6 +126,7 @@ class StepRecord:
     host: Dict[str, float] = field(default_factory=dict)  # build, plan, sample_prep, launch, wait, process
     pairs: int = 0  # attention (query, key) pairs of its extends (harness.step_budget.pairs)
     decode_rows: int = 0  # running requests it decodes (a decode step's every row; a mixed step's first rows)
+    deepest: int = 0  # a prefill step's keys of its deepest request (harness.step_budget.StepCost.per_key)
 
 
 @dataclass
@@ -521,7 +522,8 @@ class Driver:
                    t0: float, decode_rows: int = 0) -> _Step:
         spans = [(r.uid, r.cached_len, r.extend_len) for r in reqs]
         record = StepRecord(phase, len(reqs), sum(n for _, _, n in spans), sum(s + n for _, s, n in spans), t0,
-                            pairs=sum(pairs(n, s) for _, s, n in spans), decode_rows=decode_rows)
+                            pairs=sum(pairs(n, s) for _, s, n in spans), decode_rows=decode_rows,
+                            deepest=max(s + n for _, s, n in spans) if phase == "prefill" else 0)
         batch = Batch(reqs=reqs, phase=phase, return_logits="none" if on_logits is None else
                       ("all" if phase == "prefill" and self.prompt_logits else "last"))
         self.engine.graph_runner.pad_batch(batch)

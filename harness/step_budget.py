@@ -6,6 +6,11 @@ chunk of c tokens over a cached prefix of d adds c d + c (c + 1) / 2 pairs and a
 Attention's share grows with the prefix depth, so one budget carries fewer tokens of a deep chunk than of a shallow
 one (at 32k tokens of qwen3-0.6b a token's attention is about 8 times its matmuls).
 
+A measured cost has a fifth term, per_key x the keys of the step's deepest extend: attention without a split of the
+keys (FlashInfer's SM90 prefill gives each query tile of a head all its keys, on one SM) takes at least the time one
+SM scans them, whatever the chunk's size: a chunk of 200 tokens over 32k cached ones fills 32 of an H100's 132 SMs for
+as long as a chunk of 1000 would. from_config's FLOP counts leave it at 0.
+
 Two budgets (StepBudget), both for the prompt work of a step that also decodes:
 - tokens (the driver's default): at most the cost of `tokens` prompt tokens at depth 0, in the model's FLOP counts
   (StepCost.from_config): the same on every machine and deterministic, like vLLM's max_num_batched_tokens and SGLang's
@@ -33,24 +38,27 @@ def pairs(tokens: int, cached: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Predicted cost of one forward: fixed + per_token x tokens + per_row x requests + per_pair x pairs (seconds
-    when measured)."""
+    """Predicted cost of one forward: fixed + per_token x tokens + per_row x requests + per_pair x pairs + per_key x
+    the keys of its deepest extend (seconds when measured)."""
 
     fixed: float
     per_token: float
     per_row: float
     per_pair: float
+    per_key: float = 0.0
 
-    def __call__(self, tokens: int, rows: int, query_key_pairs: int) -> float:
-        return self.fixed + self.per_token * tokens + self.per_row * rows + self.per_pair * query_key_pairs
+    def __call__(self, tokens: int, rows: int, query_key_pairs: int, deepest: int = 0) -> float:
+        return (self.fixed + self.per_token * tokens + self.per_row * rows + self.per_pair * query_key_pairs
+                + self.per_key * deepest)
 
     def decodes(self, rows: int, kv_tokens: int) -> float:
-        """A step of rows decodes attending over kv_tokens keys in all."""
+        """A step of rows decodes attending over kv_tokens keys in all (the decode kernel splits the keys)."""
         return self(rows, rows, kv_tokens)
 
     def variable(self, tokens: int, cached: int) -> float:
         """What an extend of tokens over cached (one request) adds to a step that runs anyway."""
-        return self.per_token * tokens + self.per_row + self.per_pair * pairs(tokens, cached)
+        return (self.per_token * tokens + self.per_row + self.per_pair * pairs(tokens, cached)
+                + self.per_key * (cached + tokens))
 
     @classmethod
     def from_config(cls, mc: "ModelConfig") -> "StepCost":
@@ -90,9 +98,14 @@ class StepBudget:
 
     def chunk(self, allowance: float, cached: int, most: int) -> int:
         """The longest extend over `cached` tokens, at most `most`, whose cost fits the allowance; at least one token
-        (a prompt always advances, if by a step over the budget)."""
-        a, b = self.cost.per_pair / 2, self.cost.per_token + self.cost.per_pair * (cached + 0.5)
-        left = allowance - self.cost.per_row  # the chunk's own row of logits
+        (a prompt always advances, if by a step over the budget). Where the prefix's keys alone (per_key x cached)
+        cost more than the allowance, the step overruns whatever the chunk: the chunk then takes the allowance beside
+        that floor, so that a deep prompt needs fewer such steps."""
+        keys = self.cost.per_key * cached
+        if keys > allowance:
+            allowance = keys + max(allowance, 0.0)
+        a, b = self.cost.per_pair / 2, self.cost.per_token + self.cost.per_key + self.cost.per_pair * (cached + 0.5)
+        left = allowance - self.cost.per_row - self.cost.per_key * cached  # its own row of logits, its prefix's keys
         if left <= 0:
             return 1
         n = left / b if a == 0 else (math.sqrt(b * b + 4 * a * left) - b) / (2 * a)

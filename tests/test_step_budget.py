@@ -34,10 +34,16 @@ ROUNDING = 1.02  # integer chunks (each up to a token under its allowance) and e
 
 @settings(max_examples=300, deadline=None)
 @given(per_token=st.floats(1e-6, 1.0), per_row=st.floats(0.0, 1.0), per_pair=st.floats(0.0, 1e-2),
-       allowance=st.floats(0.0, 1e4), cached=st.integers(0, 40000), most=st.integers(1, 8192))
-def test_a_chunk_is_the_longest_that_fits_its_allowance(per_token, per_row, per_pair, allowance, cached, most):
-    budget = StepBudget(StepCost(0.0, per_token, per_row, per_pair), stall=2.0)
+       per_key=st.one_of(st.just(0.0), st.floats(0.0, 1.0)), allowance=st.floats(0.0, 1e4),
+       cached=st.integers(0, 40000), most=st.integers(1, 8192))
+def test_a_chunk_is_the_longest_that_fits_its_allowance(per_token, per_row, per_pair, per_key, allowance, cached,
+                                                         most):
+    """The longest chunk within the allowance; where its prefix's keys alone cost more than the allowance (a step
+    that overruns whatever it carries), within the allowance beside them."""
+    budget = StepBudget(StepCost(0.0, per_token, per_row, per_pair, per_key), stall=2.0)
     n = budget.chunk(allowance, cached, most)
+    if per_key * cached > allowance:
+        allowance += per_key * cached
     assert 1 <= n <= most
     assert n == 1 or budget.cost.variable(n, cached) <= allowance
     assert n == most or budget.cost.variable(n + 1, cached) > allowance

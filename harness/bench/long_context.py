@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -32,7 +32,8 @@ from engine.distributed import DistributedInfo
 from harness import zoo
 from harness.bench.limits import Limits, model_cost
 from harness.bench.workloads import BenchSpec, chunk_steps, engine_ttft, random_ids, settle
-from harness.driver import Arrival, Driver
+from harness.driver import Arrival, Driver, StepRecord
+from harness.step_budget import StepCost
 
 PREFILL_FRACTION = (32768, 0.60)  # the prefill at 32k tokens >= 60% of its compute floor
 ITL_RATIO = 3.0  # p99 inter-token latency while a long prompt arrives <= 3x the median step without it
@@ -63,6 +64,7 @@ class Arriving:
     arriving: List[float]  # the same while it arrives
     ttft_alone: float  # the long prompt's time to first token alone
     ttft_arriving: float  # the same arriving beside them
+    steps: List[StepRecord] = field(default_factory=list)  # the arriving run's steps that carried its chunks
 
 
 class _Source:
@@ -101,18 +103,40 @@ def arriving(driver: Driver, bs: int, ctx: int, long_len: int, vocab: int) -> Ar
     shorts = [random_ids(ctx, vocab, seed=3000 + i) for i in range(bs)]
     long_prompt = random_ids(long_len, vocab, seed=long_len)
     steps = 2 + chunk_steps(driver, bs, ctx, long_len) * (1 if driver.mixed else 2) + 16
-    runs = {}
+    runs, records = {}, {}
     for name, (first, later) in (("alone", (shorts, None)), ("arriving", (shorts, long_prompt)),
                                  ("unloaded", ([long_prompt], None))):
         _serve(driver, first, 1 if name == "unloaded" else steps, later)  # warm-up
+        start = len(driver.steps)
         runs[name] = _serve(driver, first, 1 if name == "unloaded" else steps, later)
+        records[name] = driver.steps[start:]
     times, sent = runs["alone"]
     alone = [b - a for i in range(bs) for a, b in zip(times[i][1:], times[i][2:])]
     times, sent = runs["arriving"]
     at, first_token = sent[bs], times[bs][0]
     busy = [b - a for i in range(bs) for a, b in zip(times[i], times[i][1:]) if b > at and a < first_token]
     unloaded_times, unloaded_sent = runs["unloaded"]
-    return Arriving(alone, busy, unloaded_times[0][0] - unloaded_sent[0], first_token - at)
+    carried = [r for r in records["arriving"] if r.phase == "prefill" and r.decode_rows > 0]
+    return Arriving(alone, busy, unloaded_times[0][0] - unloaded_sent[0], first_token - at, carried)
+
+
+def by_depth(steps: List[StepRecord], cost: StepCost | None, long_len: int, parts: int = 4) -> List[Dict[str, Any]]:
+    """The steps that carried the long prompt's chunks, by the depth they reached (quarters of the prompt): how many,
+    their chunks' tokens and their periods (median), against the cost model's prediction where there is one."""
+    out = []
+    for q in range(parts):
+        lo, hi = q * long_len // parts, (q + 1) * long_len // parts
+        part = [r for r in steps if lo < r.deepest <= hi]
+        if not part:
+            continue
+        row = {"depth": f"{lo}-{hi}", "steps": len(part),
+               "chunk tokens": statistics.median(r.num_tokens - r.decode_rows for r in part),
+               "step ms": round(1e3 * statistics.median(r.seconds for r in part), 2)}
+        if cost is not None:
+            row["predicted ms"] = round(1e3 * statistics.median(
+                cost(r.num_tokens, r.batch_size, r.pairs, r.deepest) for r in part), 2)
+        out.append(row)
+    return out
 
 
 def bench_long(model: str, device: str, dtype: str, spec: BenchSpec, limits: Limits, row: Row) -> List[Dict]:
@@ -230,10 +254,13 @@ def main(argv: List[str] | None = None) -> int:
             budgets += [(f"stall {x:g}", StepBudget(fit.cost, stall=x), fit) for x in args.stall]
         for name, budget, fit in budgets:
             driver = Driver(engine, max_prefill_tokens=spec.long_budget, step_budget=budget)
-            rows = arriving_rows(model, arriving(driver, bs, ctx, long_len, vocab), bs, ctx, long_len, name)
+            run = arriving(driver, bs, ctx, long_len, vocab)
+            rows = arriving_rows(model, run, bs, ctx, long_len, name)
             targets = arrival_targets({(r["workload"], r["length"]): r for r in rows}, model)
             runs.append({"budget": name, "step_budget": repr(budget), "cost_fit": fit and dataclasses.asdict(fit),
-                         "rows": rows, "targets": targets})
+                         "rows": rows, "targets": targets,
+                         "by_depth": by_depth(run.steps, fit and fit.cost, long_len),
+                         "steps": [dataclasses.asdict(r) for r in run.steps]})
             print(f"{name}: " + "; ".join(f"{t['reached']} {'met' if t['met'] else 'NOT met'}" for t in targets),
                   flush=True)
     finally:
@@ -247,7 +274,11 @@ def main(argv: List[str] | None = None) -> int:
           f"{__doc__.split(chr(10), 3)[3]}\nThe prefill budget {spec.long_budget} tokens; each budget below is the "
           "driver's step budget while the requests decode (tokens: the default, FLOP-weighted; stall X: a step at most "
           "X times its decodes alone, over the cost model fitted first, its coefficients in long-prompt.json).\n\n"
-          f"{markdown_table(table)}\n## Provenance\n{provenance_markdown(prov)}")
+          f"{markdown_table(table)}\n## The steps that carried its chunks\n\nBy the depth each reached: their "
+          "count, their chunks' tokens and their periods (medians), and the fitted cost model's prediction of them "
+          "(long-prompt.json has every step).\n\n"
+          + "".join(f"{r['budget']}:\n\n{markdown_table(r['by_depth'])}\n" for r in runs if r["by_depth"])
+          + f"## Provenance\n{provenance_markdown(prov)}")
     (out / "long-prompt.md").write_text(md)
     print(text_table(table))
     print(written_to(out / "long-prompt.md", args.update_reports))

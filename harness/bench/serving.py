@@ -285,7 +285,9 @@ def command(args: argparse.Namespace) -> int:
             except (ValueError, KeyError, TypeError) as e:
                 raise UserError(f"--trace {args.trace}: {e}") from None
     failed = False
-    for model in resolve_models(args, ("smollm2-135m",), weights=False, verb="bench --serve"):
+    # random token ids need no tokenizer (a dummy-weight shape serves); text, a trace and a peer's server do
+    text = spec.dataset == "text" or args.trace is not None or other is not None
+    for model in resolve_models(args, ("smollm2-135m",), weights=False, tokenizer=text, verb="bench --serve"):
         start = time.perf_counter()
         result = run_serving(spec, model, other, args.device)
         prov = report.provenance(args.device, model=model.name, engines=result.pop("engines"))

@@ -1,12 +1,13 @@
 """The driver's cost model measured (harness.step_budget.StepCost): a least-squares fit, with no coefficient below 0,
 of the seconds of real steps through the driver (host work included, overlap on) to what each computes: tokens fed,
-requests (rows of logits) and attention (query, key) pairs.
+requests (rows of logits), attention (query, key) pairs and the keys of a prefill step's deepest request.
 
 The steps cover what the budget decides between: one prompt of `depth` tokens prefilled in chunks of depth / 8 and of
-depth / 64 tokens (chunks at every depth up to it), then decoded alone at that depth, and `batch` requests of short
-prompts decoding together. Each workload runs once to warm up, then once measured; a step's seconds are its period
-(launch to the next launch), the last step of a run left out (its period runs to the run's end). The fit's relative
-residuals say how far the line is from the steps it predicts.
+depth / 64 tokens (chunks at every depth up to it), then decoded alone at that depth; `batch` requests of short
+prompts decoding together; and the same requests decoding while that prompt is prefilled beside them in the mixed
+steps of the driver's own budget (the steps the budget is for). Each workload runs once to warm up, then once
+measured; a step's seconds are its period (launch to the next launch), the last step of a run left out (its period
+runs to the run's end). The fit's relative residuals say how far the line is from the steps it predicts.
 
     python -m harness.bench.step_cost --model smollm2-135m --depth 4096 --batch 32
 """
@@ -22,7 +23,7 @@ from typing import List
 import numpy as np
 
 from engine.core import SamplingParams
-from harness.bench.workloads import random_ids, settle
+from harness.bench.workloads import chunk_steps, random_ids, settle
 from harness.driver import Driver, StepRecord
 from harness.step_budget import StepCost
 
@@ -35,8 +36,9 @@ class Fit:
     worst_residual: float
 
 
-def _run(driver: Driver, prompts: List[List[int]], max_tokens: int) -> List[StepRecord]:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def _run(driver: Driver, prompts: List[List[int]], max_tokens: int | List[int]) -> List[StepRecord]:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True)
+              for m in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts))]
     driver.generate(prompts, params)  # warm-up
     driver.steps.clear()
     settle()
@@ -58,7 +60,11 @@ def measure(driver: Driver, depth: int, batch: int, decode_steps: int = 8) -> Fi
         driver.max_prefill_tokens = budget
     short = [random_ids(32, vocab, seed=7000 + i) for i in range(batch)]
     records += [r for r in _run(driver, short, decode_steps) if r.phase == "decode"]
-    x = np.array([[1.0, r.num_tokens, r.batch_size, r.pairs] for r in records])
+    if driver.mixed:
+        steps = chunk_steps(driver, batch, 32, depth) + decode_steps
+        mixed = _run(driver, short + [long_prompt], [steps] * batch + [1])
+        records += [r for r in mixed if r.phase == "prefill" and r.decode_rows == batch]
+    x = np.array([[1.0, r.num_tokens, r.batch_size, r.pairs, r.deepest] for r in records])
     y = np.array([r.seconds for r in records])
     from scipy.optimize import nnls
 
