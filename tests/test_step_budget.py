@@ -38,12 +38,10 @@ ROUNDING = 1.02  # integer chunks (each up to a token under its allowance) and e
        cached=st.integers(0, 40000), most=st.integers(1, 8192))
 def test_a_chunk_is_the_longest_that_fits_its_allowance(per_token, per_row, per_pair, per_key, allowance, cached,
                                                          most):
-    """The longest chunk within the allowance; where its prefix's keys alone cost more than the allowance (a step
-    that overruns whatever it carries), within the allowance beside them."""
+    """The longest chunk within the allowance, its prefix's keys (no chunk of it avoids them) beside it."""
     budget = StepBudget(StepCost(0.0, per_token, per_row, per_pair, per_key), stall=2.0)
     n = budget.chunk(allowance, cached, most)
-    if per_key * cached > allowance:
-        allowance += per_key * cached
+    allowance += per_key * cached
     assert 1 <= n <= most
     assert n == 1 or budget.cost.variable(n, cached) <= allowance
     assert n == most or budget.cost.variable(n + 1, cached) > allowance
