@@ -103,9 +103,9 @@ class StepBudget:
         (a prompt always advances, if by a step over the budget). The prefix's keys (per_key x cached), which no
         chunk of it avoids, are not charged to the allowance: charged, a chunk nearing the depth where they fill it
         would shrink to a few tokens a step (measured on an H100: 36 steps of 7 tokens at stall 2)."""
-        allowance += self.cost.per_key * cached
+        allowance += self.cost.per_key * cached  # the keys beside it: what variable() charges for them, given
         a, b = self.cost.per_pair / 2, self.cost.per_token + self.cost.per_key + self.cost.per_pair * (cached + 0.5)
-        left = allowance - self.cost.per_row - self.cost.per_key * cached  # less its own row of logits and the keys
+        left = allowance - self.cost.per_row - self.cost.per_key * cached  # the chunk's own row of logits, the keys
         if left <= 0:
             return 1
         n = left / b if a == 0 else (math.sqrt(b * b + 4 * a * left) - b) / (2 * a)

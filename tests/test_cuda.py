@@ -124,7 +124,8 @@ def _slot_reuse_run(mixed: bool = False, **kw) -> tuple:
         seen.update({(uid, pos + i): lp[i].cpu() for i in range(lp.shape[0])})
 
     res = Driver(eng, mixed=mixed).generate([p for p, _ in SLOT_REUSE],
-                               [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in SLOT_REUSE], on_logits=hook)
+                                            [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in SLOT_REUSE],
+                                            on_logits=hook)
     assert eng.graph_runner.graphs or kw.get("cuda_graph_max_bs") == 0
     eng.shutdown()
     return [r.output_ids for r in res], seen
