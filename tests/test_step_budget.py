@@ -47,6 +47,27 @@ def test_a_chunk_is_the_longest_that_fits_its_allowance(per_token, per_row, per_
     assert n == most or budget.cost.variable(n + 1, cached) > allowance
 
 
+# qwen3-0.6b's steps on an H100, fitted (reports/bench/cuda/qwen3-0.6b/long-prompt.json): 11.5 ms of keys' floor at 32k
+H100_FIT = StepCost(fixed=1.63e-3, per_token=0.0, per_row=2.78e-6, per_pair=1.50e-10, per_key=3.51e-7)
+
+
+@pytest.mark.parametrize("stall", [2.0, 3.0])
+def test_a_deep_prompt_takes_the_allowance_beside_its_keys_floor(stall):
+    """The 32k prompt beside 32 decodes of 512 tokens, over the H100's fitted cost: every step within stall times its
+    decodes plus its chunk's keys' floor (the most any chunk of it can do), and no run of few-token chunks where the
+    floor nears the allowance (charged to it, the floor left 36 steps of about 7 tokens on the card)."""
+    budget = StepBudget(H100_FIT, stall=stall)
+    decodes = H100_FIT.decodes(32, 32 * 512)
+    depth, chunks = 0, []
+    while depth < 32768:
+        n = min(budget.chunk(budget.allowance(32, 32 * 512), depth, 4096 - 32), 32768 - depth)
+        assert decodes + H100_FIT.variable(n, depth) <= stall * decodes + H100_FIT.per_key * depth + 1e-12
+        chunks.append(n)
+        depth += n
+    assert min(chunks[:-1]) >= 300, chunks
+    assert len(chunks) <= 60
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3-moe", "smollm2-135m"])
 def test_the_token_budget_weighs_as_the_bench_counts_flops(model):
     """StepCost.from_config's ratios (a pair, a row of logits, to a token) are the bench's FLOP counts'
