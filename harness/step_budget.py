@@ -103,15 +103,15 @@ class StepBudget:
         (a prompt always advances, if by a step over the budget). The prefix's keys (per_key x cached), which no
         chunk of it avoids, are not charged to the allowance: charged, a chunk nearing the depth where they fill it
         would shrink to a few tokens a step (measured on an H100: 36 steps of 7 tokens at stall 2)."""
-        allowance += self.cost.per_key * cached  # the keys beside it: what variable() charges for them, given
+        fits = allowance + self.cost.per_key * cached  # what variable() may reach: the prefix's keys beside it
         a, b = self.cost.per_pair / 2, self.cost.per_token + self.cost.per_key + self.cost.per_pair * (cached + 0.5)
-        left = allowance - self.cost.per_row - self.cost.per_key * cached  # the chunk's own row of logits, the keys
+        left = allowance - self.cost.per_row  # the chunk's own row of logits
         if left <= 0:
             return 1
         n = left / b if a == 0 else (math.sqrt(b * b + 4 * a * left) - b) / (2 * a)
         n = max(1, min(most, int(n)))
-        while n > 1 and self.cost.variable(n, cached) > allowance:  # the root's rounding, either way
+        while n > 1 and self.cost.variable(n, cached) > fits:  # the root's rounding, either way
             n -= 1
-        while n < most and self.cost.variable(n + 1, cached) <= allowance:
+        while n < most and self.cost.variable(n + 1, cached) <= fits:
             n += 1
         return n

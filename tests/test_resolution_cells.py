@@ -23,7 +23,7 @@ def test_every_committed_golden_cell_has_a_row_or_is_named_as_not_measured():
     assert not cpu_missing, f"no resolution row for {cpu_missing}: python -m harness resolution --cells"
     assert [p["cell"] for p in table["pending"]] == [c.key for c in cells if c.key not in rows], \
         "the table's list of cells not measured yet is stale: run python -m harness resolution --cells on a device"
-    assert {r for r in rows} <= {c.key for c in cells}, "a row for a golden that is no longer committed"
+    assert set(rows) <= {c.key for c in cells}, "a row for a golden that is no longer committed"
     for cell in cells:
         if cell.key in rows:
             row = rows[cell.key]

@@ -57,10 +57,10 @@ def test_a_deep_prompt_takes_the_allowance_beside_its_keys_floor(stall):
     decodes plus its chunk's keys' floor (the most any chunk of it can do), and no run of few-token chunks where the
     floor nears the allowance (charged to it, the floor left 36 steps of about 7 tokens on the card)."""
     budget = StepBudget(H100_FIT, stall=stall)
-    decodes = H100_FIT.decodes(32, 32 * 512)
+    decodes, allowance = H100_FIT.decodes(32, 32 * 512), budget.allowance(32, 32 * 512)
     depth, chunks = 0, []
     while depth < 32768:
-        n = min(budget.chunk(budget.allowance(32, 32 * 512), depth, 4096 - 32), 32768 - depth)
+        n = min(budget.chunk(allowance, depth, 4096 - 32), 32768 - depth)
         assert decodes + H100_FIT.variable(n, depth) <= stall * decodes + H100_FIT.per_key * depth + 1e-12
         chunks.append(n)
         depth += n

@@ -103,20 +103,20 @@ def arriving(driver: Driver, bs: int, ctx: int, long_len: int, vocab: int) -> Ar
     shorts = [random_ids(ctx, vocab, seed=3000 + i) for i in range(bs)]
     long_prompt = random_ids(long_len, vocab, seed=long_len)
     steps = 2 + chunk_steps(driver, bs, ctx, long_len) * (1 if driver.mixed else 2) + 16
-    runs, records = {}, {}
+    runs = {}
     for name, (first, later) in (("alone", (shorts, None)), ("arriving", (shorts, long_prompt)),
                                  ("unloaded", ([long_prompt], None))):
         _serve(driver, first, 1 if name == "unloaded" else steps, later)  # warm-up
         start = len(driver.steps)
         runs[name] = _serve(driver, first, 1 if name == "unloaded" else steps, later)
-        records[name] = driver.steps[start:]
+        if name == "arriving":  # its steps that carried the long prompt's chunks beside the decodes
+            carried = [r for r in driver.steps[start:] if r.phase == "prefill" and r.decode_rows > 0]
     times, sent = runs["alone"]
     alone = [b - a for i in range(bs) for a, b in zip(times[i][1:], times[i][2:])]
     times, sent = runs["arriving"]
     at, first_token = sent[bs], times[bs][0]
     busy = [b - a for i in range(bs) for a, b in zip(times[i], times[i][1:]) if b > at and a < first_token]
     unloaded_times, unloaded_sent = runs["unloaded"]
-    carried = [r for r in records["arriving"] if r.phase == "prefill" and r.decode_rows > 0]
     return Arriving(alone, busy, unloaded_times[0][0] - unloaded_sent[0], first_token - at, carried)
 
 
