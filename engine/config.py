@@ -24,7 +24,7 @@ class EngineConfig:
     dtype: torch.dtype
     device: str = "auto"  # auto: cuda:<rank> with a GPU, cpu otherwise
     max_running_req: int = 256
-    attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), torch otherwise
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA (half precision), cpu on a CPU in fp32, else torch
     # norms, RoPE, activations, GEMMs: auto = FlashInfer's fused kernels on CUDA (half precision), oneDNN's GEMMs on
     # a CPU in fp32, torch's else
     ops_backend: str = "auto"

@@ -271,7 +271,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
     if config.batch_invariant:
         config = _invariant_backends(config, device)
-    backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype)
+    backend = resolve_attention_backend(config.attention_backend, torch.device(device), config.dtype, mc)
     ops = resolve_ops_backend(config.ops_backend, torch.device(device), config.dtype)
     moe = resolve_moe_backend(config.moe_backend, torch.device(device), config.dtype, mc, config.tp_info.size)
     graph_bs: List[int] = []

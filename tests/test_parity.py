@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from engine.attention import torch_backend
+from engine.attention import cpu_backend, torch_backend
 from engine.core import get_global_ctx
 from engine.kvcache import KVCachePool
-from engine.layers.ops import TorchOps
+from engine.layers.ops import OneDNNOps, TorchOps
 from engine.models import weights
 from engine.models.config import ModelConfig
 from engine.moe.base import MoEBackend
@@ -36,9 +36,10 @@ def test_engine_matches_committed_goldens(model):
     assert result.passed, summary
 
 
-def _decode_rotary_off_by_one(self, positions, q, k, table):
-    # RoPE is shift-invariant: only a shift between prefill and decode changes anything
-    return ROPE(self, positions + int(get_global_ctx().batch.is_decode), q, k, table)
+def _decode_rotary_off_by_one(rope_):
+    def planted(self, positions, q, k, table):  # RoPE is shift-invariant: only a shift between prefill and decode shows
+        return rope_(self, positions + int(get_global_ctx().batch.is_decode), q, k, table)
+    return planted
 
 
 def _kv_heads_swapped(self, kv, out_loc, layer_id):
@@ -49,17 +50,23 @@ def _kv_written_one_slot_late(self, kv, out_loc, layer_id):
     return STORE(self, kv, out_loc + 1, layer_id)
 
 
-def _qk_norm_weight_ignored(self, x, weight, eps, offset):
-    h = x.float()
-    x.copy_((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+def _qk_norm_weight_ignored(head_rmsnorm_):
+    def planted(self, x, weight, eps, offset):  # the weight applied is offset + w: 1 everywhere
+        return head_rmsnorm_(self, x, torch.full_like(weight, 1.0 - offset), eps, offset)
+    return planted
 
 
-ROPE, STORE = TorchOps.rope_, KVCachePool.store_kv
-PLANTED = {
-    "decode rotary position off by one": (TorchOps, "rope_", _decode_rotary_off_by_one),
-    "wrong KV head mapping": (KVCachePool, "store_kv", _kv_heads_swapped),
-    "KV written one slot late": (KVCachePool, "store_kv", _kv_written_one_slot_late),
-    "q/k norm weight ignored": (TorchOps, "head_rmsnorm_", _qk_norm_weight_ignored),
+def _every_ops(name: str, fault) -> list:
+    """The fault in both CPU ops backends' own method (the reference's and the default's)."""
+    return [(ops, name, fault(getattr(ops, name))) for ops in (TorchOps, OneDNNOps)]
+
+
+STORE = KVCachePool.store_kv
+PLANTED = {  # each a list of (target, attribute, replacement)
+    "decode rotary position off by one": _every_ops("rope_", _decode_rotary_off_by_one),
+    "wrong KV head mapping": [(KVCachePool, "store_kv", _kv_heads_swapped)],
+    "KV written one slot late": [(KVCachePool, "store_kv", _kv_written_one_slot_late)],
+    "q/k norm weight ignored": _every_ops("head_rmsnorm_", _qk_norm_weight_ignored),
 }
 
 
@@ -78,18 +85,20 @@ def _windows_one_wider(config):
 
 WINDOWS = torch_backend.layer_windows
 GEMMA_PLANTED = {  # Gemma 3 features the other models lack
-    "sliding window one key wider": (torch_backend, "layer_windows", _windows_one_wider),
-    "sliding layers on the global RoPE base": (ModelConfig, "from_hf", _gemma_config_without("local_rotary_config")),
-    "embedding not scaled by sqrt(hidden)": (ModelConfig, "from_hf", _gemma_config_without("embed_scale")),
+    "sliding window one key wider": [(module, "layer_windows", _windows_one_wider)
+                                     for module in (torch_backend, cpu_backend)],
+    "sliding layers on the global RoPE base": [(ModelConfig, "from_hf",
+                                                _gemma_config_without("local_rotary_config"))],
+    "embedding not scaled by sqrt(hidden)": [(ModelConfig, "from_hf", _gemma_config_without("embed_scale"))],
 }
 
 
-def _batch_parity_with(monkeypatch, tmp_path, model: str, planted: tuple):
-    """Parity's batch path on the CPU with (target, attribute, replacement) planted, against a copy of the golden."""
-    target, name, fn = planted
+def _batch_parity_with(monkeypatch, tmp_path, model: str, planted: list):
+    """Parity's batch path on the CPU with [(target, attribute, replacement)] planted, against a copy of the golden."""
     where = (model, "cpu", "float32")
     shutil.copytree(G.golden_dir(*where), G.golden_dir(*where, root=tmp_path))
-    monkeypatch.setattr(target, name, fn)
+    for target, name, fn in planted:
+        monkeypatch.setattr(target, name, fn)
     return run_parity(model, paths=["batch"], golden_root=tmp_path)
 
 
@@ -123,12 +132,12 @@ STACK = weights.stack_experts
 # tiny-qwen3-moe keeps norm_topk_prob False (HF's default): there a softmax over the top-k logits renormalizes the
 # top-k probabilities, a real fault; under norm_topk_prob True the two are the same computation
 MOE_PLANTED = {
-    "top-k + 1 experts per token": (ModelConfig, "from_hf",
-                                    _moe_config_with(num_experts_per_tok=lambda c: c.num_experts_per_tok + 1)),
-    "norm_topk_prob ignored (top-k always renormalized)": (ModelConfig, "from_hf",
-                                                           _moe_config_with(norm_topk_prob=lambda c: True)),
-    "two experts' weights swapped (layer 1, experts 0 and 1)": (weights, "stack_experts", _two_experts_swapped),
-    "router softmax after the top-k": (MoEBackend, "select_experts", _softmax_after_top_k),
+    "top-k + 1 experts per token": [(ModelConfig, "from_hf",
+                                    _moe_config_with(num_experts_per_tok=lambda c: c.num_experts_per_tok + 1))],
+    "norm_topk_prob ignored (top-k always renormalized)": [(ModelConfig, "from_hf",
+                                                           _moe_config_with(norm_topk_prob=lambda c: True))],
+    "two experts' weights swapped (layer 1, experts 0 and 1)": [(weights, "stack_experts", _two_experts_swapped)],
+    "router softmax after the top-k": [(MoEBackend, "select_experts", _softmax_after_top_k)],
 }
 
 
@@ -141,8 +150,8 @@ def test_planted_moe_bug_is_caught(monkeypatch, bug, tmp_path):
 
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bug_is_caught(monkeypatch, golden_copy, bug):
-    cls, name, fn = PLANTED[bug]
-    monkeypatch.setattr(cls, name, fn)
+    for target, name, fn in PLANTED[bug]:
+        monkeypatch.setattr(target, name, fn)
     result = run_parity("tiny-qwen3", paths=["batch"], golden_root=golden_copy, obtained_root=golden_copy)
     assert not result.passed and result.obtained.startswith(str(golden_copy))
 

@@ -1,7 +1,8 @@
 """The small ops and GEMMs of a decoder layer, in implementations chosen once per engine (EngineConfig.ops_backend).
 
 TorchOps is the readable definition, with Hugging Face's numerics (the reference on any device and dtype);
-OneDNNOps (the CPU, fp32) is TorchOps whose GEMMs run through oneDNN on weights laid out for it once, at load;
+OneDNNOps (the CPU, fp32) is TorchOps whose GEMMs run through oneDNN on weights laid out for it once, at load, and
+whose norms, RoPE and activation are one-pass C++ kernels;
 FlashInferOps replaces each op by one fused CUDA kernel for half precision; BatchInvariantOps (batch_invariant) is
 TorchOps whose GEMMs and activation give a row the same bits in any batch (engine/batch_invariant.py). Layers hold the chosen object and never
 branch on the device. Ops ending in `_` work in place on views of the merged q/k/v projection, so the fused path
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from engine import batch_invariant
 from engine.core import forwarding_prefill
-from engine.kernels import narrow_gemm, qk_rope_store, skinny_gemm
+from engine.kernels import cpu_kernels, narrow_gemm, qk_rope_store, skinny_gemm
 from engine.kvcache import KVCachePool
 from engine.utils.device import has_flashinfer, has_triton
 
@@ -106,14 +107,45 @@ class TorchOps:
 
 
 class OneDNNOps(TorchOps):
-    """TorchOps whose GEMMs (the projections and the LM head) run through oneDNN's inner product on weights reordered
-    once into its blocked layout, as vLLM's CPU build runs them. MKL's sgemm, which F.linear calls in fp32, reaches
+    """TorchOps whose RMSNorms (with the residual's add), RoPE and gated activation run as one-pass C++ kernels
+    (kernels/cpu_kernels.py, where a compiler builds them; the add and norm in place, as FlashInferOps's) and whose
+    GEMMs (the projections and the LM head) run through oneDNN's inner product on weights reordered once into its
+    blocked layout, as vLLM's CPU build runs them. MKL's sgemm, which F.linear calls in fp32, reaches
     less of this CPU at decode's few rows: on the AMD EPYC host (AVX-512, 1 thread, SmolLM2's shapes) 1.3-1.6x the
     time at 8 rows, 2.3x on the LM head, 1.1-1.2x at 128-512 (docs/perf-log.md, 2026-12-07). Each row's K-sum
     still follows the row count and the threads, as MKL's does (docs/parity-determinism.md)."""
 
+    def __init__(self) -> None:
+        self.kernels = cpu_kernels.available()  # norms, RoPE and the activation in one pass each (kernels/cpu_ops.cpp)
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight)  # an opaque tensor; .to_dense() gives [O, K] back
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+        if not self.kernels or x.stride(-1) != 1:
+            return super().rmsnorm(x, weight, eps, offset)
+        return cpu_kernels.rmsnorm(x, weight, eps, offset)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.kernels or not (x.is_contiguous() and residual.is_contiguous()):
+            return super().add_rmsnorm(x, residual, weight, eps, offset)
+        cpu_kernels.add_rmsnorm_(x, residual, weight, eps, offset)  # in place, as FlashInferOps's
+        return x, residual
+
+    def head_rmsnorm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+        if not self.kernels:
+            return super().head_rmsnorm_(x, weight, eps, offset)
+        cpu_kernels.rmsnorm(x, weight, eps, offset, out=x)
+
+    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
+        if not self.kernels:
+            return super().rope_(positions, q, k, table)
+        cpu_kernels.rope_(positions, q, table)
+        cpu_kernels.rope_(positions, k, table)
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        return cpu_kernels.act_and_mul(gate_up, act) if self.kernels else super().act_and_mul(gate_up, act)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -51,6 +51,7 @@ TIMED = (("harness.driver", "Driver", ("_schedule", "_admit", "_make_step", "_pr
          ("engine.attention.flashinfer_backend", "FlashInferBackend",
           ("prepare_metadata", "_page_lists", "_fast_prefill_plan", "_plan_graph")),
          ("engine.attention.torch_backend", "TorchBackend", ("prepare_metadata",)),
+         ("engine.attention.cpu_backend", "CpuBackend", ("prepare_metadata",)),
          ("engine.graph", "GraphRunner", ("replay", "_load")),
          ("engine.engine", "Engine", ("forward_batch", "_check_prefill")),
          ("engine.sample", "Sampler", ("prepare", "sample")))

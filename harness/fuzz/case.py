@@ -31,7 +31,8 @@ class FuzzConfig:
     max_prefill_tokens and overlap are the driver's, so configurations that differ only there share an engine."""
 
     dtype: str  # float32 | bfloat16 | float16
-    attention_backend: str  # torch | flashinfer; the small ops follow it (FlashInfer's fused kernels, or torch's)
+    attention_backend: str  # torch | flashinfer | cpu; the small ops follow it (FlashInfer's fused kernels, torch's, or
+    # the CPU's default: oneDNN's GEMMs and the C++ RoPE and activation beside the cpu kernel)
     graphs: bool  # decode CUDA graphs (FlashInfer only)
     slots: int  # max_running_req: page-table rows
     page_size: int
@@ -48,7 +49,8 @@ class FuzzConfig:
     def engine_kwargs(self, device: str) -> Dict[str, Any]:
         """EngineConfig fields (besides the model) of the engine under test."""
         return dict(dtype=getattr(torch, self.dtype), device=device, attention_backend=self.attention_backend,
-                    ops_backend=self.attention_backend, page_size=self.page_size, max_running_req=self.slots,
+                    ops_backend="auto" if self.attention_backend == "cpu" else self.attention_backend,
+                    page_size=self.page_size, max_running_req=self.slots,
                     num_page_override=self.num_pages, max_seq_len_override=self.max_seq_len,
                     cuda_graph_max_bs=None if self.graphs else 0, batch_invariant=self.batch_invariant)
 

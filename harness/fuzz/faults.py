@@ -162,6 +162,7 @@ class Fault:
     patches: List[Tuple[type, str, Callable[[Callable], Callable]]]  # (class, method, wrapper of the original)
     batch_invariant: bool = False  # it lives in batch-invariant mode's code: the search runs that mode only
     long: bool = False  # it shows past a request's first 1024 tokens: the search runs the long tier
+    attention: str | None = None  # the attention backend it lives in: the search draws no other (None: any)
 
 
 FAULTS: Dict[str, Fault] = {
@@ -171,7 +172,7 @@ FAULTS: Dict[str, Fault] = {
         [(FlashInferBackend, "_page_lists", _page_lists_keyed_on_rows)]),
     "torch-slots-keyed-on-rows": Fault(
         "the torch backend keeps a decode's KV slots while (rows, lengths) repeat, across requests and workloads",
-        "any", [(TorchBackend, "prepare_metadata", _torch_slots_keyed_on_rows)]),
+        "any", [(TorchBackend, "prepare_metadata", _torch_slots_keyed_on_rows)], attention="torch"),
     "stale-token-on-reused-row": Fault(
         "the overlap loop skips feeding back the prefill token of a request in a row used before", "any",
         [(Driver, "_feed_back", _feed_back_skipping_reused_rows)]),
@@ -183,13 +184,14 @@ FAULTS: Dict[str, Fault] = {
         "cpu", [(BatchInvariantOps, name, _by_m(name)) for name in ("linear", "lm_head")], batch_invariant=True),
     "attention-split-by-batch": Fault(
         "batch-invariant mode attends a batch of several requests padded to its longest (key blocks by the batch)",
-        "cpu", [(TorchBackend, "prepare_metadata", _batch_padded_attention)], batch_invariant=True),
+        "cpu", [(TorchBackend, "prepare_metadata", _batch_padded_attention)], batch_invariant=True,
+        attention="torch"),
     "gemm-path-by-address": Fault(
         "a projection's rows past 256 summed over K in the other order when its input's address has bit 12 set "
         "(bits that differ from process to process)", "cpu", [(TorchOps, "linear", _gemm_path_by_address)]),
     "torch-keys-past-1024-from-first-block": Fault(
         "the torch backend reads a request's keys and values past its first 1024 from the first block's slots", "any",
-        [(TorchBackend, "prepare_metadata", _keys_from_first_block)], long=True),
+        [(TorchBackend, "prepare_metadata", _keys_from_first_block)], long=True, attention="torch"),
     "page-ids-without-block-offset": Fault(
         "the page-id gather loads every block of 1024 pages from the first block's place in the page table", "cuda",
         [(flashinfer_backend, "page_ids", _page_ids_without_block_offset)], long=True),

@@ -27,6 +27,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import NoSuchExample
 
 from harness.fuzz.case import Case, Failure, FuzzConfig, Past, Workload
+from harness.fuzz.faults import FAULTS
 from harness.fuzz.invariants import Evaluator
 from harness.fuzz.strategies import configs, dtypes, workloads
 from harness.models import ModelRef, name_of
@@ -122,7 +123,9 @@ class _Search:
 
     def run(self) -> FuzzConfig | None:
         try:
-            return find(configs(self.opts.device, self.opts.dtype, self.opts.batch_invariant, self.opts.long),
+            fault = FAULTS[self.opts.planted] if self.opts.planted else None
+            return find(configs(self.opts.device, self.opts.dtype, self.opts.batch_invariant, self.opts.long,
+                                fault.attention if fault else None),
                         self._config_fails, settings=self._settings(200),
                         random=Random(self.opts.seed), database_key=self._key("configurations"))
         except NoSuchExample:

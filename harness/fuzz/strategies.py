@@ -43,11 +43,13 @@ def dtypes(device: str, dtype: str | None = None) -> List[str]:
 
 @st.composite
 def configs(draw: Callable, device: str, dtype: str | None = None, invariant: bool | None = None,
-            long: bool = False) -> FuzzConfig:
-    """On a CPU the torch backend is the only one and graphs do not exist, and batch-invariant mode is on or off; on
-    CUDA FlashInfer (half precision only) or torch attention, graphs on or off (FlashInfer only), bf16 or fp32.
-    invariant: batch-invariant mode always (True), never (False), or drawn (None; the last draw, so that the searches
-    of earlier seeds keep their configurations). long: the long tier's pages, pools and budgets."""
+            long: bool = False, attention: str | None = None) -> FuzzConfig:
+    """On a CPU graphs do not exist, batch-invariant mode is on or off, and out of it the attention is the paged
+    kernel (cpu, with the CPU's default ops) or the torch reference; on CUDA FlashInfer (half precision only) or torch
+    attention, graphs on or off (FlashInfer only), bf16 or fp32. invariant: batch-invariant mode always (True), never
+    (False), or drawn (None; drawn after the rest, so that the searches of earlier seeds keep their configurations,
+    and the CPU's backend after it). long: the long tier's pages, pools and budgets. attention: the CPU's backend
+    (None: drawn), for a planted fault that lives in one."""
     cuda = device.startswith("cuda")
     dtype = draw(st.sampled_from(dtypes(device, dtype)))
     half = dtype in ("bfloat16", "float16")
@@ -62,6 +64,8 @@ def configs(draw: Callable, device: str, dtype: str | None = None, invariant: bo
                         **({"max_seq_len": LONG_SEQ_LEN} if long else {}))
     if invariant is None:  # the engine refuses batch-invariant mode on CUDA
         invariant = False if cuda else draw(st.booleans())
+    if not cuda and not invariant:  # the CPU's paged kernel or the torch reference (drawn last, as invariant is)
+        config = dataclasses.replace(config, attention_backend=attention or draw(st.sampled_from(["cpu", "torch"])))
     return dataclasses.replace(config, batch_invariant=invariant)
 
 

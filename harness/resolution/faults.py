@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal,
 import torch
 
 from engine import Engine
+from engine.attention.cpu_backend import CpuBackend
 from engine.attention.flashinfer_backend import FlashInferBackend
 from engine.attention.torch_backend import TorchBackend
 from engine.core import get_global_ctx
@@ -82,15 +83,16 @@ def _graphed_flashinfer(engine: Engine) -> bool:
 
 # ---------------------------------------------------------------------------------------------- softmax scale
 def _softmax_scale(phase: str) -> Plant:
-    """The attention logits' scale x (1 + e) in one phase's attention only, on both backends. FlashInfer takes the
-    scale when a batch is planned (and a decode graph when it is captured), the torch backend at each call."""
+    """The attention logits' scale x (1 + e) in one phase's attention only, on every backend. FlashInfer takes the
+    scale when a batch is planned (and a decode graph when it is captured), the torch and cpu backends at each call."""
 
     @contextmanager
     def plant(e: float, engine: Engine | None = None) -> Iterator[None]:
         factor = 1.0 + e
 
         def torch_forward(original: Callable) -> Callable:
-            def forward(self: TorchBackend, q: torch.Tensor, kv: torch.Tensor, layer_id: int, batch) -> torch.Tensor:
+            def forward(self: TorchBackend | CpuBackend, q: torch.Tensor, kv: torch.Tensor, layer_id: int,
+                        batch) -> torch.Tensor:
                 if batch.phase != phase:
                     return original(self, q, kv, layer_id, batch)
                 saved = self.scale  # None: SDPA's 1 / sqrt(head_dim), computed as SDPA does
@@ -113,7 +115,7 @@ def _softmax_scale(phase: str) -> Plant:
                     self.sm_scale = saved
             return plan
 
-        patches: List[Patch] = [(TorchBackend, "forward", torch_forward),
+        patches: List[Patch] = [(TorchBackend, "forward", torch_forward), (CpuBackend, "forward", torch_forward),
                                 (FlashInferBackend, "prepare_metadata", flashinfer_plan)]
         if phase == "decode":
             patches.append((FlashInferBackend, "prepare_for_capture", flashinfer_plan))
