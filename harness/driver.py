@@ -22,8 +22,9 @@ kernels).
 In batch-invariant mode (EngineConfig.batch_invariant), or with mixed=False, steps alternate instead: after a step
 that carried a chunk (not the last), the next decodes every running request, and a running request's tokens never
 go through a prefill batch. Batch-invariant mode also fixes a prompt's chunks whatever else runs: every chunk of a
-prompt over the budget is the smaller of the budget and decode_chunk_tokens (a prompt's bits follow its chunks:
-their attention sums over other lengths).
+prompt over the budget is the smaller of the budget and decode_chunk_tokens, and a prompt under way whose next chunk
+does not fit what the step has left waits for the next step rather than take a shorter one (a prompt's bits follow
+its chunks: their attention sums over other lengths).
 
 Online: serve(source) admits requests as a Source hands them over (requests arriving over time: a replayed trace, a
 server's queue), waits for the next when idle, and reports each token as the host reads it (on_token), so that a
@@ -477,6 +478,8 @@ class Driver:
         under_way = [r for r in running if r.prefilling]
         while tokens > 0 and (allowance > 0 or not (chunks or members)):
             admitting = not under_way
+            if not admitting and self.engine.config.batch_invariant and self._own_chunk(under_way[0]) > tokens:
+                break  # batch-invariant mode: a prompt's chunk is the one it gets alone, never what the step has left
             r = (self._admit(waiting, tokens, allowance, first=not (chunks or members)) if admitting
                  else under_way.pop(0))
             if r is None:
@@ -498,6 +501,16 @@ class Driver:
         # processing read them)
         return self._make_step("prefill", [r.req for r in rows + members] + chunks, rows + members, on_logits, t0,
                                len(rows))
+
+    def _own_chunk(self, r: _Running) -> int:
+        """The tokens of the request's next chunk in batch-invariant mode, as it would be alone: to its prefix length
+        or its prompt's end, at most the budget, and decode_chunk_tokens for a prompt over the budget."""
+        start, prompt_len = r.req.cached_len, len(r.result.prompt_ids)
+        end = r.prefix_len if start < r.prefix_len < prompt_len else prompt_len
+        limit = self.max_prefill_tokens
+        if prompt_len > self.max_prefill_tokens:
+            limit = min(limit, self.decode_chunk_tokens)
+        return min(end, start + limit) - start
 
     def _next_chunk(self, r: _Running, tokens: int, allowance: float, alternating: bool) -> Req:
         """The request's next prefill chunk: the rest of its prompt (the request itself, which samples), or a

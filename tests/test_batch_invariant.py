@@ -156,6 +156,18 @@ def test_a_request_gets_its_alone_logits_and_tokens_in_any_batch(engines, case):
     assert (differ, other_tokens) == (0, []), f"{differ} of {total} positions differ; tokens differ: {other_tokens}"
 
 
+def test_a_prompt_under_way_keeps_its_own_chunks(engines):
+    """Found by the search above: two prompts under way after their prefixes (1 and 5 tokens) at a budget of 16; the
+    first's next chunk (16) leaves the step 0 tokens, its last (14) leaves 2, and the second's 5 must wait for a step
+    of its own rather than go as 2 + 3 (alone it goes as 5)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 40000) for _ in range(n)] for n in (31, 10)]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
+    engine = engines.get("tiny-qwen3", batch_invariant=True, max_running_req=8, page_size=1)
+    differ, total, other_tokens = differences(engine, prompts, params, [1, 5], max_prefill_tokens=16, overlap=False)
+    assert (differ, other_tokens) == (0, []), f"{differ} of {total} positions differ; tokens differ: {other_tokens}"
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-gemma3"])
 def test_moe_and_sliding_window_models(engines, model):
     """An MoE's expert GEMMs (as many rows as the batch routes to the expert) and Gemma's sliding windows."""
