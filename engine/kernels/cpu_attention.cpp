@@ -197,8 +197,7 @@ void run_all(const Args& a, const std::vector<Item>& items, int threads) {
 extern "C" int cpu_attention(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
                              const int32_t* table, int64_t table_stride, const int64_t* reqs, int num_reqs, int hq,
                              int hkv, int head_dim, int window, float scale, float* out, int threads) {
-  const bool sized = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
-  if (!sized || hq % hkv != 0 || hq / hkv > MAX_ROWS) return 1;
+  if (hq % hkv != 0 || hq / hkv > MAX_ROWS) return 1;
   const Args a{q, q_stride, k, v, kv_stride, table, table_stride, reqs, hq, hkv, window, scale, out};
   const int g = hq / hkv, block = std::max(1, MAX_ROWS / g);
   std::vector<Item> items;
@@ -213,12 +212,19 @@ extern "C" int cpu_attention(const float* q, int64_t q_stride, const float* k, c
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
   threads = std::max(1, std::min<int>(threads, (int)items.size()));
-  switch (head_dim) {
+  switch (head_dim) {  // the head sizes of the models one meets (cpu_kernels.HEAD_DIMS)
     case 16: run_all<16>(a, items, threads); break;
     case 32: run_all<32>(a, items, threads); break;
+    case 48: run_all<48>(a, items, threads); break;
     case 64: run_all<64>(a, items, threads); break;
+    case 80: run_all<80>(a, items, threads); break;
+    case 96: run_all<96>(a, items, threads); break;
+    case 112: run_all<112>(a, items, threads); break;
     case 128: run_all<128>(a, items, threads); break;
-    default: run_all<256>(a, items, threads); break;
+    case 160: run_all<160>(a, items, threads); break;
+    case 192: run_all<192>(a, items, threads); break;
+    case 256: run_all<256>(a, items, threads); break;
+    default: return 1;
   }
   return 0;
 }

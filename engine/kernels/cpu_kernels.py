@@ -24,7 +24,7 @@ references by tests/test_cpu_kernels.py.
 
 Build: `c++` (or $CXX) with -O3 -march=native -fopenmp into ENGINE_CACHE_DIR (default ~/.cache/engine-harness),
 under a name hashed from the sources, the flags, the compiler's version and the CPU's model, once per machine (about
-three seconds). OpenMP: the library links libgomp, which torch has already loaded, so the kernels' threads are
+ten seconds). OpenMP: the library links libgomp, which torch has already loaded, so the kernels' threads are
 torch's, as many as torch.get_num_threads(). Without a compiler, or where the build fails, torch's attention and ops
 serve (logged once).
 """
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_vec.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)  # a kernel each (cpu_attention.cpp's switch)
 MAX_GROUP = 64  # query heads a KV head serves
 
 

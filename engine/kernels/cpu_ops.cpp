@@ -16,10 +16,11 @@ constexpr int64_t PARALLEL_MIN = 1 << 16;  // elements below which one thread do
 
 inline vec silu(vec g) { return g / (1.0f + exp16(-g)); }
 
-// 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3); tanh(y) = 1 - 2 / (e^2y + 1)
+// 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), as g / (1 + e^-2y): the same value without the
+// cancellation of 1 + tanh(y) where tanh(y) nears -1
 inline vec gelu_tanh(vec g) {
   const vec y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  return 0.5f * g * (2.0f - 2.0f / (exp16(2.0f * y) + 1.0f));
+  return g / (1.0f + exp16(-2.0f * y));
 }
 
 template <bool GELU>
