@@ -17,7 +17,9 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     """"auto" -> flashinfer on CUDA for half precision when it is installed, cpu on a CPU in fp32 where its kernel
     builds and serves the model's heads, torch otherwise."""
     group = model.num_qo_heads // model.num_kv_heads
-    cpu = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available(model.head_dim, group)
+    # asked only where the cpu backend could be chosen: available() builds the library on a machine's first call
+    cpu = name in ("auto", "cpu") and device.type == "cpu" and dtype == torch.float32 \
+        and cpu_kernels.available(model.head_dim, group)
     if name == "auto":
         half = dtype in (torch.float16, torch.bfloat16)
         if device.type == "cuda" and half and has_flashinfer():
