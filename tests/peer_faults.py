@@ -4,6 +4,8 @@ python:peer_faults:CLASS, or serves it with `python -m harness serve --engine py
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine import Engine
@@ -78,10 +80,13 @@ class PlantedOProj(Engine):
             dict(self.model.named_parameters())["model.layers.1.self_attn.o_proj.weight"].mul_(1.02)
 
 
-class AddressDependent(Engine):
-    """This engine with every projection's rows past 256 scaled by 1.02 when its input's address has bit 12 set: a
-    kernel that follows where the allocator put the data, so that the bits (and the verdict) change from one process
-    to the next (harness.parity.rerun must say so)."""
+class DrawnPerProcess(Engine):
+    """This engine with every projection's rows past 256 scaled by a factor drawn once per process in [1.02, 1.03),
+    as a kernel tuned once at start-up would: the verdict is the same in every process (a miss beyond tolerance) but
+    the bits differ from one process to the next (harness.parity.rerun must say so). An address-dependent plant
+    would fail only in the processes whose allocator happened to lay the activations out one way."""
+
+    FACTOR = 1.02 + 0.01 * int.from_bytes(os.urandom(3), "little") / 2 ** 24
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -90,8 +95,8 @@ class AddressDependent(Engine):
 
         def linear(x, weight, bias=None, act=None):
             out = plain(x, weight, bias, act)
-            if x.shape[0] > 256 and (x.data_ptr() >> 12) & 1:
-                out[256:] *= 1.02
+            if x.shape[0] > 256:
+                out[256:] *= self.FACTOR
             return out
 
         ops.linear = linear

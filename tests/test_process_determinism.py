@@ -98,10 +98,10 @@ def test_a_kernel_chosen_by_address_is_caught(tmp_path):
 
 
 def test_a_parity_failure_of_an_engine_whose_bits_follow_the_process_says_so():
-    """An engine whose projections follow their input's address (tests/peer_faults.py: AddressDependent) fails the
-    batch path; the failing path, run again in a fresh process, gives other bits, and the failure block says the
+    """An engine whose projections past row 256 follow a factor drawn once per process (tests/peer_faults.py:
+    DrawnPerProcess) fails the batch path in every process; the failing path, run again in a fresh process, gives other bits, and the failure block says the
     engine is not deterministic there instead of offering a re-run that may pass."""
-    result = run_parity("tiny-qwen3", "cpu", "float32", ["batch"], engine="python:peer_faults:AddressDependent",
+    result = run_parity("tiny-qwen3", "cpu", "float32", ["batch"], engine="python:peer_faults:DrawnPerProcess",
                         rerun_failure=True)
     assert not result.passed
     assert result.nondeterministic.startswith("not deterministic: this path run again in a fresh process"), \
