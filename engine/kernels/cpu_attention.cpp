@@ -10,10 +10,16 @@
 // row sees leaves its max, sum and accumulator untouched (bit for bit), so a query's result depends only on its own
 // keys, not on the other queries of its item.
 //
+// An item of at most ROW_MAX rows (a decode: one query times the query heads of a KV head) would leave most of
+// the 16 lanes of the transposed layout idle, so it keeps its rows in their natural layout instead and runs its
+// vectors across D: a key's score is the sum of D/16 vector products, sixteen keys' sums reduced into one vector at
+// once, and the softmax runs across those keys. Which layout an item takes depends only on its own rows.
+//
 // Built on first use by engine/kernels/cpu_kernels.py and called through ctypes.
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -26,6 +32,34 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_ROWS = 64;  // rows of an item: queries x query heads of one KV head (so at most 64 of those)
+constexpr int ROW_MAX = 8;  // items of at most this many rows take the natural layout (Kernel::run_rows)
+
+// lane i: the sum of c[i]'s 16 lanes (a transposition and sum in four rounds of pairs)
+inline vec sum16(vec c[16]) {
+  const auto pair = [](vec x, vec y, ivec lo, ivec hi) {
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+  };
+  const ivec lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const ivec lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const ivec lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const ivec lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  for (int i = 0; i < 8; ++i) c[i] = pair(c[2 * i], c[2 * i + 1], lo1, lo1 + 8);
+  for (int i = 0; i < 4; ++i) c[i] = pair(c[2 * i], c[2 * i + 1], lo2, lo2 + 4);
+  for (int i = 0; i < 2; ++i) c[i] = pair(c[2 * i], c[2 * i + 1], lo3, lo3 + 2);
+  return pair(c[0], c[1], lo4, lo4 + 1);
+}
+
+inline float lane_max(vec x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+inline float lane_sum(vec x) {
+  float t = 0.0f;
+  for (int i = 0; i < 16; ++i) t += x[i];
+  return t;
+}
 
 struct Args {
   const float* q;
@@ -66,6 +100,7 @@ struct Kernel {
     const int64_t q_start = r[0], cached = r[3];
     const int32_t* slots = a.table + r[2] * a.table_stride;
     const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g, mv = (rows + 15) / 16, width = 16 * mv;
+    if (rows <= ROW_MAX) return run_rows(a, it);
     std::fill(qt, qt + D * width, 0.0f);
     for (int m = 0; m < width; ++m) qpos[m] = cached + it.t0 + std::min(m, rows - 1) / g;
     for (int m = 0; m < rows; ++m) {  // row m: query t0 + m / g, query head head * g + m % g
@@ -99,6 +134,85 @@ struct Kernel {
       const float inv = 1.0f / row_sum[m];
       for (int d = 0; d < D; ++d) dst[d] = acc[d * width + m] * inv;
     }
+  }
+
+  // An item of few rows, in their natural layout: qt, acc [rows][D], s [rows][BK].
+  void run_rows(const Args& a, const Item& it) {
+    const int64_t* r = a.reqs + 4 * it.req;
+    const int64_t q_start = r[0], cached = r[3];
+    const int32_t* slots = a.table + r[2] * a.table_stride;
+    const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g;
+    for (int m = 0; m < rows; ++m) {
+      const float* src = a.q + (q_start + it.t0 + m / g) * a.q_stride + (int64_t)(it.head * g + m % g) * D;
+      for (int d = 0; d < D; ++d) qt[m * D + d] = src[d] * a.scale;
+      qpos[m] = cached + it.t0 + m / g;
+    }
+    std::fill(acc, acc + rows * D, 0.0f);
+    std::fill(row_max, row_max + rows, NEG_INF);
+    std::fill(row_sum, row_sum + rows, 0.0f);
+    const int64_t first_q = cached + it.t0, last_q = cached + it.t1 - 1;
+    int64_t lo = a.window > 0 ? std::max<int64_t>(0, first_q - a.window + 1) : 0;
+    lo -= lo % BK;
+    const int64_t head_off = (int64_t)it.head * D;
+    for (int64_t kb = lo; kb <= last_q; kb += BK) {
+      const int n = (int)std::min<int64_t>(BK, last_q + 1 - kb), nb = (n + 15) / 16 * 16;
+      for (int j = 0; j < nb; ++j) {  // keys past the request's last are its first again, masked
+        const int64_t slot = slots[kb + (j < n ? j : 0)];
+        krow[j] = a.k + slot * a.kv_stride + head_off;
+        vrow[j] = a.v + slot * a.kv_stride + head_off;
+      }
+      for (int m = 0; m < rows; ++m) row_block(m, a.window, kb, n, nb);
+    }
+    for (int m = 0; m < rows; ++m) {
+      const int t = it.t0 + m / g, h = it.head * g + m % g;
+      float* dst = a.out + (q_start + t) * (int64_t)a.hq * D + (int64_t)h * D;
+      const float inv = 1.0f / row_sum[m];
+      for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
+    }
+  }
+
+  // Row m over the block's nb keys (n of them real): scores 16 keys a vector, the online softmax across them, then
+  // acc[m] += p_j v_j with lanes across D. A block that holds no key the row sees leaves the row untouched.
+  void row_block(int m, int window, int64_t kb, int n, int nb) {
+    static constexpr int DV = D / 16;
+    const float* qm = qt + m * D;
+    float* sm = s + m * BK;
+    const ivec iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int ahead = (int)(qpos[m] - kb), reach = window > 0 ? window : INT32_MAX;  // the row's position - kb
+    vec mx = splat(NEG_INF);
+    for (int j0 = 0; j0 < nb; j0 += 16) {
+      vec c[16];
+      for (int i = 0; i < 16; ++i) {
+        const float* kj = krow[j0 + i];
+        vec x = load(kj) * load(qm);
+        for (int v = 1; v < DV; ++v) x += load(kj + 16 * v) * load(qm + 16 * v);
+        c[i] = x;
+      }
+      const ivec j = iota + j0, back = ahead - j;  // back: how far the key lies behind the row
+      const vec sc = (j < n) & (back >= 0) & (back < reach) ? sum16(c) : splat(NEG_INF);
+      store(sm + j0, sc);
+      mx = sc > mx ? sc : mx;
+    }
+    const float block_max = lane_max(mx);
+    if (block_max == NEG_INF) return;
+    const float old = row_max[m], new_max = std::max(old, block_max), corr = exp16(splat(old - new_max))[0];
+    vec sum = {};
+    for (int j0 = 0; j0 < nb; j0 += 16) {
+      const vec p = exp16(load(sm + j0) - new_max);
+      store(sm + j0, p);
+      sum += p;
+    }
+    row_max[m] = new_max;
+    row_sum[m] = row_sum[m] * corr + lane_sum(sum);
+    float* am = acc + m * D;
+    vec o[DV];
+    for (int v = 0; v < DV; ++v) o[v] = load(am + 16 * v) * corr;
+    for (int j = 0; j < n; ++j) {
+      const float pj = sm[j];
+      const float* vj = vrow[j];
+      for (int v = 0; v < DV; ++v) o[v] += pj * load(vj + 16 * v);
+    }
+    for (int v = 0; v < DV; ++v) store(am + 16 * v, o[v]);
   }
 
   template <int MV>
