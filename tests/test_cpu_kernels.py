@@ -1,8 +1,9 @@
-"""The CPU's C++ kernels (engine/kernels/cpu_kernels.py) against float64 references, on batches hypothesis draws:
-paged attention over any mix of prompts, chunks over a cached prefix and decodes (full and sliding layers, GQA, the
-head sizes it serves, slots scattered over the pool; items of few rows, as a decode's, take their own layout), RoPE and the gated activations. Each is held to the error of
-torch's own fp32 composition of the same op (SDPA, HF's RoPE, F.silu / F.gelu) against the same reference, with a
-small margin; and a request's attention must not depend on its batch or the thread count (bit for bit)."""
+"""The CPU's C++ kernels (engine/kernels/cpu_kernels.py) against float64 references, on batches hypothesis draws: paged
+attention over any mix of prompts, chunks over a cached prefix and decodes (full and sliding layers, GQA, the head sizes
+it serves, slots scattered over the pool; items of few rows, as a decode's, take their own layout), RoPE and the gated
+activations. Each is held to the error of torch's own fp32 composition of the same op (SDPA, HF's RoPE, F.silu / F.gelu)
+against the same reference, with a small margin; and a request's attention must not depend on its batch or the thread
+count (bit for bit)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def batches(draw):
     head_dim = draw(st.sampled_from(cpu_kernels.HEAD_DIMS))
     hkv = draw(st.sampled_from([1, 2, 3]))
     hq = hkv * draw(st.sampled_from([1, 2, 3, 4, 8]))
-    reqs = draw(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 3) | st.integers(1, 200)), min_size=1, max_size=5))
+    queries = st.integers(1, 3) | st.integers(1, 200)  # few queries half the time: a decode's items
+    reqs = draw(st.lists(st.tuples(st.integers(0, 300), queries), min_size=1, max_size=5))
     window = draw(st.sampled_from([None, 1, 7, 64, 100]))
     return head_dim, hq, hkv, reqs, window, draw(st.integers(0, 2**31 - 1))
 

@@ -99,8 +99,9 @@ def test_a_kernel_chosen_by_address_is_caught(tmp_path):
 
 def test_a_parity_failure_of_an_engine_whose_bits_follow_the_process_says_so():
     """An engine whose projections past row 256 follow a factor drawn once per process (tests/peer_faults.py:
-    DrawnPerProcess) fails the batch path in every process; the failing path, run again in a fresh process, gives other bits, and the failure block says the
-    engine is not deterministic there instead of offering a re-run that may pass."""
+    DrawnPerProcess) fails the batch path in every process; the failing path, run again in a fresh process, gives other
+    bits, and the failure block says the engine is not deterministic there instead of offering a re-run that may
+    pass."""
     result = run_parity("tiny-qwen3", "cpu", "float32", ["batch"], engine="python:peer_faults:DrawnPerProcess",
                         rerun_failure=True)
     assert not result.passed

@@ -11,9 +11,12 @@
 // keys, not on the other queries of its item.
 //
 // An item of at most ROW_MAX rows (a decode: one query times the query heads of a KV head) would leave most of
-// the 16 lanes of the transposed layout idle, so it keeps its rows in their natural layout instead and runs its
-// vectors across D: a key's score is the sum of D/16 vector products, sixteen keys' sums reduced into one vector at
-// once, and the softmax runs across those keys. Which layout an item takes depends only on its own rows.
+// the 16 lanes of the transposed layout idle (3 of 16 at SmolLM2's 3 query heads a KV head, where every key cost
+// D vector FMAs for the scores and D for the values), so it keeps its rows in their natural layout and runs its
+// vectors across D: a key costs D/16 FMAs a row for its score and as many for its value, sixteen keys' scores are
+// reduced into one vector at once (sum16), and the softmax runs across those keys. Which layout an item takes
+// follows from its request's own query count and the GQA group, never from the batch; the same block and
+// untouched-row rules hold in both.
 //
 // Built on first use by engine/kernels/cpu_kernels.py and called through ctypes.
 

@@ -6,10 +6,11 @@ Attention, why: torch's CPU attention needs the keys as one tensor, so a batch o
 every request's K and V into a padded copy and attends it under a mask tensor (the decode step at batch 32 spent 29%
 of its time there), and its fused kernel reaches about 40 GFLOP/s on a core of the AMD EPYC host at a 512-token
 prompt. This kernel reads the keys in place through the page table, visits only the key blocks a query block can see
-(causal and sliding window), and runs its inner products and online softmax in 16-lane vectors. On the 2-core AMD
-EPYC host, one layer of SmolLM2 (9 query heads, 3 KV heads, head_dim 64), 2 threads: a 512-token prompt 2.2 ms
-against SDPA's 4.1, 2048 tokens 33 against 40, a decode step of 32 requests at 128 keys 0.35-0.64 ms against about 1
-for the gather and SDPA (docs/perf-log.md, 2026-12-07).
+(causal and sliding window), and runs its inner products and online softmax in 16-lane vectors: across a block's
+rows for prompts, across D and then across keys for a decode's few rows. On the 2-core AMD EPYC host, one layer of
+SmolLM2 (9 query heads, 3 KV heads, head_dim 64), 2 threads: a 512-token prompt 2.2 ms against SDPA's 4.1, 2048
+tokens 33 against 40, a decode step of 32 requests at 150 keys 0.18 ms with its keys in cache and 0.56 without,
+against about 1 for the gather and SDPA (docs/perf-log.md, 2026-12-07).
 
 The small ops, why: torch composes RoPE of eight passes (the rotation's products, sums and concatenation, a copy
 back), RMSNorm of five and the activation of two, each allocating its result; these take one pass (two for a norm:
@@ -18,8 +19,9 @@ SmolLM2 spent 21 ms a step in rotary, 21 in norms and 23 in the activation, wher
 and 11 (its fused C++ kernels); now 4, 7 and 12.
 
 Numerics: fp32 throughout; the exponential (the softmax's, silu's, gelu's tanh) a polynomial within about 1 ulp; the
-compiler fuses a product and a sum into one rounding where it can. A query's attention depends only on its own keys,
-not on the thread count or the other queries of its batch; an op's row only on that row. Checked against float64
+compiler fuses a product and a sum into one rounding where it can. A query's attention depends only on its own keys
+and its request's query count in the step (which picks the layout), not on the thread count or the other requests of
+its batch; an op's row only on that row. Checked against float64
 references by tests/test_cpu_kernels.py.
 
 Build: `c++` (or $CXX) with -O3 -march=native -fopenmp into ENGINE_CACHE_DIR (default ~/.cache/engine-harness),
