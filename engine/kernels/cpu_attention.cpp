@@ -35,7 +35,7 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_ROWS = 64;  // rows of an item: queries x query heads of one KV head (so at most 64 of those)
-constexpr int ROW_MAX = 8;  // items of at most this many rows take the natural layout (Kernel::run_rows)
+constexpr int ROW_MAX = 8;  // items of at most this many rows take the natural layout (Kernel::row_block)
 
 // lane i: the sum of c[i]'s 16 lanes (a transposition and sum in four rounds of pairs)
 inline vec sum16(vec c[16]) {
@@ -50,18 +50,6 @@ inline vec sum16(vec c[16]) {
   for (int i = 0; i < 4; ++i) c[i] = pair(c[2 * i], c[2 * i + 1], lo2, lo2 + 4);
   for (int i = 0; i < 2; ++i) c[i] = pair(c[2 * i], c[2 * i + 1], lo3, lo3 + 2);
   return pair(c[0], c[1], lo4, lo4 + 1);
-}
-
-inline float lane_max(vec x) {
-  float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
-  return m;
-}
-
-inline float lane_sum(vec x) {
-  float t = 0.0f;
-  for (int i = 0; i < 16; ++i) t += x[i];
-  return t;
 }
 
 struct Args {
@@ -98,17 +86,21 @@ struct Kernel {
   const float* krow[BK];
   const float* vrow[BK];
 
+  // The item's rows transposed (qt, acc [D][width]) or, for at most ROW_MAX of them, natural (qt, acc [rows][D],
+  // s [rows][BK]).
   void run(const Args& a, const Item& it) {
     const int64_t* r = a.reqs + 4 * it.req;
     const int64_t q_start = r[0], cached = r[3];
     const int32_t* slots = a.table + r[2] * a.table_stride;
-    const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g, mv = (rows + 15) / 16, width = 16 * mv;
-    if (rows <= ROW_MAX) return run_rows(a, it);
+    const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g, mv = (rows + 15) / 16;
+    const bool natural = rows <= ROW_MAX;
+    const int width = natural ? rows : 16 * mv;  // rows, padded to whole vectors where transposed
+    const auto at = [&](int m, int d) { return natural ? m * D + d : d * width + m; };
     std::fill(qt, qt + D * width, 0.0f);
     for (int m = 0; m < width; ++m) qpos[m] = cached + it.t0 + std::min(m, rows - 1) / g;
     for (int m = 0; m < rows; ++m) {  // row m: query t0 + m / g, query head head * g + m % g
       const float* src = a.q + (q_start + it.t0 + m / g) * a.q_stride + (int64_t)(it.head * g + m % g) * D;
-      for (int d = 0; d < D; ++d) qt[d * width + m] = src[d] * a.scale;
+      for (int d = 0; d < D; ++d) qt[at(m, d)] = src[d] * a.scale;
     }
     std::fill(acc, acc + D * width, 0.0f);
     std::fill(row_max, row_max + width, NEG_INF);
@@ -118,11 +110,15 @@ struct Kernel {
     lo -= lo % BK;
     const int64_t head_off = (int64_t)it.head * D;
     for (int64_t kb = lo; kb <= last_q; kb += BK) {
-      const int n = (int)std::min<int64_t>(BK, last_q + 1 - kb);
-      for (int j = 0; j < BK; ++j) {  // keys past the request's last are its first again, masked
+      const int n = (int)std::min<int64_t>(BK, last_q + 1 - kb), nb = (n + 15) / 16 * 16;
+      for (int j = 0; j < nb; ++j) {  // keys past the request's last are its first again, masked
         const int64_t slot = slots[kb + (j < n ? j : 0)];
         krow[j] = a.k + slot * a.kv_stride + head_off;
         vrow[j] = a.v + slot * a.kv_stride + head_off;
+      }
+      if (natural) {
+        for (int m = 0; m < rows; ++m) row_block(m, a.window, kb, n, nb);
+        continue;
       }
       switch (mv) {
         case 1: block<1>(a.window, kb, n, first_q, last_q); break;
@@ -135,42 +131,7 @@ struct Kernel {
       const int t = it.t0 + m / g, h = it.head * g + m % g;
       float* dst = a.out + (q_start + t) * (int64_t)a.hq * D + (int64_t)h * D;
       const float inv = 1.0f / row_sum[m];
-      for (int d = 0; d < D; ++d) dst[d] = acc[d * width + m] * inv;
-    }
-  }
-
-  // An item of few rows, in their natural layout: qt, acc [rows][D], s [rows][BK].
-  void run_rows(const Args& a, const Item& it) {
-    const int64_t* r = a.reqs + 4 * it.req;
-    const int64_t q_start = r[0], cached = r[3];
-    const int32_t* slots = a.table + r[2] * a.table_stride;
-    const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g;
-    for (int m = 0; m < rows; ++m) {
-      const float* src = a.q + (q_start + it.t0 + m / g) * a.q_stride + (int64_t)(it.head * g + m % g) * D;
-      for (int d = 0; d < D; ++d) qt[m * D + d] = src[d] * a.scale;
-      qpos[m] = cached + it.t0 + m / g;
-    }
-    std::fill(acc, acc + rows * D, 0.0f);
-    std::fill(row_max, row_max + rows, NEG_INF);
-    std::fill(row_sum, row_sum + rows, 0.0f);
-    const int64_t first_q = cached + it.t0, last_q = cached + it.t1 - 1;
-    int64_t lo = a.window > 0 ? std::max<int64_t>(0, first_q - a.window + 1) : 0;
-    lo -= lo % BK;
-    const int64_t head_off = (int64_t)it.head * D;
-    for (int64_t kb = lo; kb <= last_q; kb += BK) {
-      const int n = (int)std::min<int64_t>(BK, last_q + 1 - kb), nb = (n + 15) / 16 * 16;
-      for (int j = 0; j < nb; ++j) {  // keys past the request's last are its first again, masked
-        const int64_t slot = slots[kb + (j < n ? j : 0)];
-        krow[j] = a.k + slot * a.kv_stride + head_off;
-        vrow[j] = a.v + slot * a.kv_stride + head_off;
-      }
-      for (int m = 0; m < rows; ++m) row_block(m, a.window, kb, n, nb);
-    }
-    for (int m = 0; m < rows; ++m) {
-      const int t = it.t0 + m / g, h = it.head * g + m % g;
-      float* dst = a.out + (q_start + t) * (int64_t)a.hq * D + (int64_t)h * D;
-      const float inv = 1.0f / row_sum[m];
-      for (int d = 0; d < D; ++d) dst[d] = acc[m * D + d] * inv;
+      for (int d = 0; d < D; ++d) dst[d] = acc[at(m, d)] * inv;
     }
   }
 
@@ -257,23 +218,29 @@ struct Kernel {
     values<MV>(nb);
   }
 
-  // s[j][:] = sum over d of k_j[d] q[d][:], JG keys at a time (JG x MV accumulators)
+  // s[j][:] = sum over d of k_j[d] q[d][:], JG keys at a time (JG x MV accumulators). A lane sums its products in
+  // order, so over D = 256 its rounding error grows with the chain: chains of at most DC, added into s, keep it
+  // within twice SDPA's at every head size (a chain of 256 reached four times).
   template <int MV>
   void scores(int nb) {
-    constexpr int W = 16 * MV, JG = MV == 1 ? 8 : MV == 2 ? 8 : 4;
-    for (int j0 = 0; j0 < nb; j0 += JG) {
-      vec c[JG][MV] = {};
-      for (int d = 0; d < D; ++d) {
-        vec qv[MV];
-        for (int v = 0; v < MV; ++v) qv[v] = load(qt + d * W + 16 * v);
-        for (int i = 0; i < JG; ++i) {
-          const float kd = krow[j0 + i][d];
-          for (int v = 0; v < MV; ++v) c[i][v] += kd * qv[v];
+    constexpr int W = 16 * MV, JG = MV == 1 ? 8 : MV == 2 ? 8 : 4, DC = std::min(D, 64);
+    for (int j0 = 0; j0 < nb; j0 += JG)
+      for (int d0 = 0; d0 < D; d0 += DC) {
+        vec c[JG][MV] = {};
+        for (int d = d0; d < std::min(D, d0 + DC); ++d) {
+          vec qv[MV];
+          for (int v = 0; v < MV; ++v) qv[v] = load(qt + d * W + 16 * v);
+          for (int i = 0; i < JG; ++i) {
+            const float kd = krow[j0 + i][d];
+            for (int v = 0; v < MV; ++v) c[i][v] += kd * qv[v];
+          }
         }
+        for (int i = 0; i < JG; ++i)
+          for (int v = 0; v < MV; ++v) {
+            float* sj = s + (j0 + i) * W + 16 * v;
+            store(sj, d0 == 0 ? c[i][v] : load(sj) + c[i][v]);
+          }
       }
-      for (int i = 0; i < JG; ++i)
-        for (int v = 0; v < MV; ++v) store(s + (j0 + i) * W + 16 * v, c[i][v]);
-    }
   }
 
   // acc[d][:] += sum over j of v_j[d] p[j][:], DG of the D at a time (DG x MV accumulators)

@@ -48,6 +48,21 @@ void act_rows(const float* x, float* out, int64_t rows, int64_t inter, int64_t x
   }
 }
 
+// x / rms(x) * (offset + w) over one row of dim floats, HF's order: the row times 1 / sqrt(mean of squares + eps),
+// rounded, then times the weight
+inline void norm_row(const float* x, float* out, const float* w, int64_t dim, float eps, float offset) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    const vec v = load(x + i);
+    acc += v * v;
+  }
+  float sum = lane_sum(acc);
+  for (; i < dim; ++i) sum += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(sum / dim + eps);
+  for (i = 0; i < dim; ++i) out[i] = (offset + w[i]) * (x[i] * r);
+}
+
 }  // namespace
 
 // out [rows, inter] = act(gate) * up of x [rows, 2 * inter] (gate | up, rows x_stride floats apart); act: 0 silu,
@@ -79,26 +94,6 @@ extern "C" void cpu_rope(float* x, int64_t rows, int heads, int64_t x_stride, in
     }
   }
 }
-
-namespace {
-
-// x / rms(x) * (offset + w) over one row of dim floats, HF's order: the row times 1 / sqrt(mean of squares + eps),
-// rounded, then times the weight
-inline void norm_row(const float* x, float* out, const float* w, int64_t dim, float eps, float offset) {
-  vec acc = {};
-  int64_t i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    const vec v = load(x + i);
-    acc += v * v;
-  }
-  float sum = 0.0f;
-  for (int l = 0; l < 16; ++l) sum += acc[l];
-  for (; i < dim; ++i) sum += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(sum / dim + eps);
-  for (i = 0; i < dim; ++i) out[i] = (offset + w[i]) * (x[i] * r);
-}
-
-}  // namespace
 
 // RMSNorm of rows tokens x heads heads: row (t, h) at x + t * x_stride + h * dim, written at the same place under
 // out (out may be x: in place); offset 0 (Llama, Qwen) or 1 (Gemma stores w - 1).

@@ -18,6 +18,19 @@ inline vec load(const float* p) {
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
+// the lanes' sum, from lane 0 up (a fixed order: the same bits wherever it is called)
+inline float lane_sum(vec x) {
+  float t = 0.0f;
+  for (int i = 0; i < 16; ++i) t += x[i];
+  return t;
+}
+
+inline float lane_max(vec x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
 // e^x, 0 below -87 (and at -inf: a masked key), e^88 above 88: Cody-Waite range reduction and Cephes' degree-6
 // polynomial, about 1 ulp; e^0 is exactly 1.
 inline vec exp16(vec x) {
