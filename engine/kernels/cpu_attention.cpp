@@ -10,8 +10,8 @@
 // row sees leaves its max, sum and accumulator untouched (bit for bit), so a query's result depends only on its own
 // keys, not on the other queries of its item.
 //
-// An item of at most ROW_MAX rows (a decode: one query times the query heads of a KV head) would leave most of
-// the 16 lanes of the transposed layout idle (3 of 16 at SmolLM2's 3 query heads a KV head, where every key cost
+// An item of at most MAX_NATURAL_ROWS rows (a decode: one query times the query heads of a KV head) would leave most
+// of the 16 lanes of the transposed layout idle (3 of 16 at SmolLM2's 3 query heads a KV head, where every key cost
 // D vector FMAs for the scores and D for the values), so it keeps its rows in their natural layout and runs its
 // vectors across D: a key costs D/16 FMAs a row for its score and as many for its value, sixteen keys' scores are
 // reduced into one vector at once (sum16), and the softmax runs across those keys. Which layout an item takes
@@ -35,7 +35,7 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int MAX_ROWS = 64;  // rows of an item: queries x query heads of one KV head (so at most 64 of those)
-constexpr int ROW_MAX = 8;  // items of at most this many rows take the natural layout (Kernel::row_block)
+constexpr int MAX_NATURAL_ROWS = 8;  // items of at most this many rows take the natural layout (Kernel::row_block)
 
 // lane i: the sum of c[i]'s 16 lanes (a transposition and sum in four rounds of pairs)
 inline vec sum16(vec c[16]) {
@@ -86,14 +86,14 @@ struct Kernel {
   const float* krow[BK];
   const float* vrow[BK];
 
-  // The item's rows transposed (qt, acc [D][width]) or, for at most ROW_MAX of them, natural (qt, acc [rows][D],
-  // s [rows][BK]).
+  // The item's rows transposed (qt, acc [D][width]) or, for at most MAX_NATURAL_ROWS of them, natural (qt,
+  // acc [rows][D], s [rows][BK]).
   void run(const Args& a, const Item& it) {
     const int64_t* r = a.reqs + 4 * it.req;
     const int64_t q_start = r[0], cached = r[3];
     const int32_t* slots = a.table + r[2] * a.table_stride;
     const int g = a.hq / a.hkv, rows = (it.t1 - it.t0) * g, mv = (rows + 15) / 16;
-    const bool natural = rows <= ROW_MAX;
+    const bool natural = rows <= MAX_NATURAL_ROWS;
     const int width = natural ? rows : 16 * mv;  // rows, padded to whole vectors where transposed
     const auto at = [&](int m, int d) { return natural ? m * D + d : d * width + m; };
     std::fill(qt, qt + D * width, 0.0f);

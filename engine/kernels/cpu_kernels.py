@@ -21,8 +21,7 @@ and 11 (its fused C++ kernels); now 4, 7 and 12.
 Numerics: fp32 throughout; the exponential (the softmax's, silu's, gelu's tanh) a polynomial within about 1 ulp; the
 compiler fuses a product and a sum into one rounding where it can. A query's attention depends only on its own keys
 and its request's query count in the step (which picks the layout), not on the thread count or the other requests of
-its batch; an op's row only on that row. Checked against float64
-references by tests/test_cpu_kernels.py.
+its batch; an op's row only on that row. Checked against float64 references by tests/test_cpu_kernels.py.
 
 Build: `c++` (or $CXX) with -O3 -march=native -fopenmp into ENGINE_CACHE_DIR (default ~/.cache/engine-harness),
 under a name hashed from the sources, the flags, the compiler's version and the CPU's model, once per machine (about
